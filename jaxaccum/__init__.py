@@ -1,0 +1,12 @@
+"""jaxaccum: exact, cheap gradient accumulation, microbatching and data-parallel averaging.
+
+Public names only; every one lives in the module named after its concept.
+"""
+
+from jaxaccum.parallel import data_mesh
+from jaxaccum.parallel import pmean
+from jaxaccum.parallel import psum
+from jaxaccum.parallel import replicate
+from jaxaccum.parallel import shard_batch
+
+__version__ = "0.1.0"

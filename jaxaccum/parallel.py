@@ -1,0 +1,201 @@
+"""Synchronous data parallelism: gradient all-reduce transforms, data meshes, batch sharding.
+
+Everything here works the same on one device, on many devices of one process
+and on many processes under `jax.distributed.initialize()`.
+
+The shard_map pitfall. Inside `jax.shard_map` (with its default `check_vma=True`)
+a parameter passed in replicated (`P()`) is *invariant* over the data axis, and
+the transpose of its implicit broadcast is a `psum`: `jax.grad` already returns
+the *sum* over devices of the per-device gradients. Averaging again (the code
+that was right under `pmap`) gives a gradient P times too large, silently.
+`check_varying` catches that: a gradient that is invariant over the axis while
+varying-manual-axis typing is active is a `ValueError` telling the user to cast
+the parameters to varying with `lax.pcast(params, axis_name, to="varying")`
+before taking the gradient (then the per-device gradient is local and the one
+all-reduce is ours).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxaccum import _tree
+
+
+# --------------------------------------------------------------------------- axis checks
+
+
+def check_axis_name(axis_name: Any, arg: str = "axis_name") -> int:
+  """Returns the size of the bound axis `axis_name`, or raises a ValueError naming it.
+
+  Must be called while tracing inside `pmap`, `shard_map` or `vmap(axis_name=...)`.
+  """
+  if not isinstance(axis_name, (str, tuple)) or (isinstance(axis_name, tuple) and not axis_name):
+    raise TypeError(f"{arg}={axis_name!r} must be a string (or a tuple of strings)")
+  try:
+    return lax.axis_size(axis_name)
+  except NameError:
+    raise ValueError(
+        f"{arg}={axis_name!r} is not bound here: call this inside jax.pmap(..., "
+        f"axis_name={axis_name!r}) or jax.shard_map over a mesh with that axis") from None
+
+
+def _varying_axes(x) -> frozenset | None:
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    mat = getattr(aval, "manual_axis_type", None)
+    vma = getattr(mat, "varying", None)
+  return None if vma is None else frozenset(vma)
+
+
+def vma_tracking(axis_name) -> bool:
+  """True inside `jax.shard_map(check_vma=True)` over `axis_name`; False under pmap."""
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  vma = _varying_axes(lax.axis_index(names))
+  return vma is not None and all(n in vma for n in names)
+
+
+def check_varying(tree, axis_name, arg: str = "grads") -> None:
+  """Raises when `tree` is already reduced over `axis_name` (see the module docstring)."""
+  if not vma_tracking(axis_name):
+    return
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    vma = _varying_axes(leaf)
+    if vma is not None and not all(n in vma for n in names):
+      raise ValueError(
+          f"{arg}{jax.tree_util.keystr(path)} is invariant over {axis_name=}: inside "
+          "jax.shard_map, a gradient with respect to replicated parameters has already been "
+          "summed over the axis by autodiff, so averaging it again would scale it by the axis "
+          "size. Cast the parameters to varying before taking the gradient: "
+          f"params = jax.lax.pcast(params, {axis_name!r}, to='varying').")
+
+
+def all_reduce_sum(tree, axis_name, comm_dtype=None):
+  """`lax.psum` of `tree` over `axis_name` with `comm_dtype` on the wire.
+
+  Leaves come back in their own dtype. One `psum` of the whole tree: XLA
+  combines the leaves into as few all-reduce instructions as it can.
+  """
+  if comm_dtype is None:
+    return lax.psum(tree, axis_name)
+  sent = _tree.cast_tree(tree, jnp.dtype(comm_dtype))
+  return _tree.cast_like(lax.psum(sent, axis_name), tree)
+
+
+# --------------------------------------------------------------------------- transforms
+
+
+class AllReduceState(NamedTuple):
+  """`pmean`/`psum` keep no state."""
+
+
+def _all_reduce_transform(axis_name, comm_dtype, mean: bool) -> optax.GradientTransformationExtraArgs:
+  if not isinstance(axis_name, (str, tuple)):
+    raise TypeError(f"{axis_name=} must be a string (or a tuple of strings)")
+  if comm_dtype is not None:
+    comm_dtype = jnp.dtype(comm_dtype)
+
+  def init(params):
+    del params
+    return AllReduceState()
+
+  def update(updates, state, params=None, **extra_args):
+    del params, extra_args
+    size = check_axis_name(axis_name)
+    check_varying(updates, axis_name, arg="updates")
+    out = all_reduce_sum(updates, axis_name, comm_dtype)
+    if mean:
+      out = jax.tree.map(lambda x: x / jnp.asarray(size, x.dtype), out)
+    return out, state
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def pmean(axis_name, *, comm_dtype=None) -> optax.GradientTransformationExtraArgs:
+  """Averages updates over the devices of `axis_name`: g -> (1/P) sum_p g_p.
+
+  A stateless transform for `optax.chain`, inside `jax.pmap` or `jax.shard_map`.
+  Under shard_map, pass gradients taken with respect to varying parameters (see
+  the module docstring); gradients already reduced by autodiff raise a ValueError.
+
+  Args:
+    axis_name: the mapped axis to average over.
+    comm_dtype: dtype on the wire (e.g. `jnp.bfloat16` halves the bytes); the
+      result comes back in each leaf's own dtype.
+  """
+  return _all_reduce_transform(axis_name, comm_dtype, mean=True)
+
+
+def psum(axis_name, *, comm_dtype=None) -> optax.GradientTransformationExtraArgs:
+  """Sums updates over the devices of `axis_name`: g -> sum_p g_p. See `pmean`."""
+  return _all_reduce_transform(axis_name, comm_dtype, mean=False)
+
+
+# --------------------------------------------------------------------------- meshes and data
+
+
+def data_mesh(axis_name: str = "data", devices=None) -> Mesh:
+  """A one-dimensional mesh over `devices` (default: every device of every process)."""
+  if not isinstance(axis_name, str) or not axis_name:
+    raise TypeError(f"{axis_name=} must be a non-empty string")
+  devices = jax.devices() if devices is None else list(devices)
+  if not devices:
+    raise ValueError(f"{devices=} must name at least one device")
+  return Mesh(np.asarray(devices), (axis_name,))
+
+
+def _check_mesh_axis(mesh, axis_name):
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh (see ja.data_mesh)")
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"{axis_name=} is not an axis of the mesh (its axes: {mesh.axis_names})")
+
+
+def shard_batch(batch, mesh: Mesh, axis_name: str = "data"):
+  """Puts this process's rows of `batch` on its devices of `mesh`, split along `axis_name`.
+
+  Each process passes only its own rows (as with
+  `jax.make_array_from_process_local_data`); the result is one global array per
+  leaf whose leading size is the sum over processes. On one process this is
+  simply the batch split over the devices.
+  """
+  _check_mesh_axis(mesh, axis_name)
+  sharding = NamedSharding(mesh, PartitionSpec(axis_name))
+  local_devices = len(mesh.local_devices)
+  local_share = local_devices * mesh.shape[axis_name] // mesh.devices.size
+
+  def put(path, x):
+    x = np.asarray(x) if not isinstance(x, jax.Array) else x
+    if x.ndim == 0:
+      raise ValueError(f"batch{jax.tree_util.keystr(path)} is a scalar; every batch leaf needs a leading batch axis")
+    if x.shape[0] % local_share:
+      raise ValueError(
+          f"batch{jax.tree_util.keystr(path)} has {x.shape[0]} local rows, not divisible by the "
+          f"{local_share} shards of {axis_name=} on this process")
+    return jax.make_array_from_process_local_data(sharding, x)
+
+  return jax.tree_util.tree_map_with_path(put, batch)
+
+
+def replicate(tree, mesh: Mesh):
+  """Places a full copy of `tree` on every device of `mesh` (every process passes the same values)."""
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh (see ja.data_mesh)")
+  sharding = NamedSharding(mesh, PartitionSpec())
+  if jax.process_count() == 1:
+    return jax.device_put(tree, sharding)
+
+  def put(x):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+  return jax.tree.map(put, tree)
