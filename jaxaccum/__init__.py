@@ -3,6 +3,9 @@
 Public names only; every one lives in the module named after its concept.
 """
 
+from jaxaccum.accumulate import AccumulateState
+from jaxaccum.accumulate import accumulate
+from jaxaccum.accumulate import has_updated
 from jaxaccum.parallel import data_mesh
 from jaxaccum.parallel import pmean
 from jaxaccum.parallel import psum

@@ -48,12 +48,45 @@ def check_axis_name(axis_name: Any, arg: str = "axis_name") -> int:
 
 
 def _varying_axes(x) -> frozenset | None:
-  aval = jax.typeof(x)
+  """The manual axes `x` varies over (None where this JAX has no such typing)."""
+  aval = x if isinstance(x, (jax.ShapeDtypeStruct, jax.core.AbstractValue)) else jax.typeof(x)
   vma = getattr(aval, "vma", None)
   if vma is None:
     mat = getattr(aval, "manual_axis_type", None)
     vma = getattr(mat, "varying", None)
   return None if vma is None else frozenset(vma)
+
+
+def _manual_axes() -> tuple:
+  mesh = jax.sharding.get_abstract_mesh()
+  return tuple(getattr(mesh, "manual_axes", ()) or ())
+
+
+def cond(pred, true_fun, false_fun, operands):
+  """`lax.cond` whose branches may differ in which manual axes their outputs vary over.
+
+  Inside `jax.shard_map` (check_vma=True) an all-reduced value is invariant
+  while a local one is varying, and `lax.cond` requires both branches to agree.
+  Each output leaf is cast to varying over the union of the two branches' axes
+  (found by tracing both with `jax.eval_shape`; nothing extra is compiled).
+  Elsewhere this is plain `lax.cond`.
+  """
+  if not _manual_axes():
+    return lax.cond(pred, true_fun, false_fun, operands)
+  true_out = jax.eval_shape(true_fun, operands)
+  false_out = jax.eval_shape(false_fun, operands)
+  joined = jax.tree.map(
+      lambda a, b: (_varying_axes(a) or frozenset()) | (_varying_axes(b) or frozenset()), true_out, false_out)
+
+  def widen(fun):
+    def wrapped(ops):
+      def cast(x, axes):
+        missing = tuple(sorted(axes - (_varying_axes(x) or frozenset())))
+        return lax.pcast(x, missing, to="varying") if missing else x
+      return jax.tree.map(cast, fun(ops), joined)
+    return wrapped
+
+  return lax.cond(pred, widen(true_fun), widen(false_fun), operands)
 
 
 def vma_tracking(axis_name) -> bool:

@@ -4,3 +4,42 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", True)
+
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def mlp_init(key, sizes, dtype=jnp.float64):
+  """Parameters of a small tanh MLP: a list of {"w", "b"} dicts."""
+  params = []
+  for k, (m, n) in zip(jax.random.split(key, len(sizes) - 1), zip(sizes[:-1], sizes[1:])):
+    params.append({"w": (jax.random.normal(k, (m, n)) / np.sqrt(m)).astype(dtype), "b": jnp.full((n,), 0.1, dtype)})
+  return params
+
+
+def mlp_apply(params, x):
+  for layer in params[:-1]:
+    x = jnp.tanh(x @ layer["w"] + layer["b"])
+  return x @ params[-1]["w"] + params[-1]["b"]
+
+
+def mse_loss(params, batch):
+  """Mean over the batch's rows of the squared error: the gradient of a union is the size-weighted mean."""
+  x, y = batch
+  return jnp.mean(jnp.sum((mlp_apply(params, x) - y) ** 2, axis=-1))
+
+
+def regression_data(key, n, d_in=3, d_out=2, dtype=jnp.float64):
+  kx, ky = jax.random.split(key)
+  x = jax.random.normal(kx, (n, d_in), dtype)
+  y = jnp.sin(x @ jax.random.normal(ky, (d_in, d_out), dtype))
+  return x, y
+
+
+@pytest.fixture
+def problem():
+  """A float64 regression problem: (params, loss_fn, data of 120 rows)."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  return params, mse_loss, regression_data(jax.random.PRNGKey(1), 120)

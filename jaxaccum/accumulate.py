@@ -1,0 +1,284 @@
+"""accumulate(): gradient accumulation across update calls, the `optax.MultiSteps` job done right.
+
+The data loader yields microbatches; each call of `update` adds one. Over a
+window of k calls with gradients g_i and weights w_i the transformation emits
+
+    u = inner.update( sum_i w_i g_i / sum_i w_i )     on the window's last call,
+    u = 0                                             on every other call.
+
+With w_i the number of examples (or tokens) of microbatch i and g_i the mean
+gradient over that microbatch, sum_i w_i g_i / sum_i w_i is exactly the mean
+gradient over the union of the window's examples: the large-batch gradient,
+whatever the microbatch sizes. `optax.MultiSteps` takes the mean of means
+instead, which is wrong as soon as sizes differ.
+
+Cost. A micro-step is one multiply-add into the accumulator; `inner` runs only
+in the branch of a `lax.cond` taken at the window's end, and its state passes
+through the other branch untouched (no "compute, then throw away" as in
+`optax.MultiSteps`). `inner`'s state advances only on real updates, so step
+counts and schedules inside `inner` count updates, as the `decay` of the
+Keras `AdamAccumulate` optimizer in `shared/seeds` does.
+
+Data parallelism. With `axis_name`, each replica accumulates its own
+(sum w g, sum w) and the window's end all-reduces both once, so the result is
+the global weighted mean even when replicas saw different numbers of tokens:
+one all-reduce per update instead of one per micro-step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxaccum import _tree
+from jaxaccum import parallel
+
+EveryK = Union[int, Callable[[jax.Array], Any]]
+
+
+class AccumulateState(NamedTuple):
+  """State of `accumulate`.
+
+  Every field is an array (or a tree of arrays) so the state can be jitted,
+  sharded, checkpointed and restored mid-window.
+  """
+
+  micro_step: jax.Array  # int32 scalar: microbatches already in the current window.
+  update_count: jax.Array  # int32 scalar: completed updates (windows that applied `inner`).
+  # sum_i w_i g_i over the current window, in the accumulator dtype. Reset
+  # lazily: while micro_step == 0 it still holds the last window's sum.
+  acc_grads: Any
+  acc_weight: jax.Array  # sum_i w_i, reset like acc_grads (skipped microbatches excluded).
+  inner_state: Any  # `inner`'s state; it advances only on real updates.
+  num_skipped: jax.Array  # int32 scalar: non-finite microbatches dropped so far (all windows).
+  updated: jax.Array  # bool scalar: the last call emitted a real update (see `has_updated`).
+
+
+def has_updated(state: AccumulateState) -> jax.Array:
+  """True when the call that returned `state` emitted a real (non-zero-by-design) update."""
+  if not isinstance(state, AccumulateState):
+    raise TypeError(f"state must be an AccumulateState, got {type(state).__name__}")
+  return state.updated
+
+
+def _zeros_like(tree):
+  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), x.dtype), tree)
+
+
+def _check_every_k(every_k: EveryK) -> EveryK:
+  if callable(every_k):
+    k0 = every_k(0)
+    if _tree.is_concrete(k0):
+      _check_k_value(k0, "every_k(0)")
+    return every_k
+  return _tree.check_positive_int(every_k, "every_k")
+
+
+def _check_k_value(k, what: str) -> None:
+  value = np.asarray(k)
+  if value.ndim != 0 or not np.issubdtype(value.dtype, np.integer) or value.dtype == np.bool_:
+    raise TypeError(f"{what}={k!r} must be an integer >= 1 (a scalar int)")
+  if int(value) < 1:
+    raise ValueError(f"{what}={int(value)} must be an integer >= 1")
+
+
+def _check_weight(weight):
+  """Validates `weight` when it has a value now; returns it as an array or None."""
+  if weight is None:
+    return None
+  weight = jnp.asarray(weight)
+  if weight.ndim != 0:
+    raise ValueError(f"weight must be a scalar, got shape {weight.shape}")
+  if not jnp.issubdtype(weight.dtype, jnp.number) or weight.dtype == jnp.bool_:
+    raise TypeError(f"weight={weight!r} must be a real number")
+  if _tree.is_concrete(weight):
+    value = float(weight)
+    if not np.isfinite(value) or value <= 0:
+      raise ValueError(f"weight={value!r} must be finite and > 0")
+  return weight
+
+
+def accumulate(
+    inner: optax.GradientTransformation,
+    every_k: EveryK,
+    *,
+    axis_name: str | tuple[str, ...] | None = None,
+    accumulator_dtype: Any = None,
+    comm_dtype: Any = None,
+    skip_nonfinite: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  """Accumulates gradients over `every_k` update calls, then applies `inner` once.
+
+  Each call `update(grads, state, params=None, *, weight=None, **extra_args)`
+  adds one microbatch. Over a window of k calls the emitted updates are zero
+  on all but the last call, and on the last one
+
+      inner.update(sum_i w_i g_i / sum_i w_i, inner_state, params, **extra_args),
+
+  `weight` w_i defaulting to 1. Pass the number of examples (or tokens) of each
+  microbatch as its weight and the window's update equals the large-batch
+  update exactly, whatever the microbatch sizes.
+
+  Args:
+    inner: the optimizer applied to each window's mean gradient.
+    every_k: the window length, an int >= 1, or a schedule `f(update_count) ->
+      int` of completed updates (see `jaxaccum.schedules`). A schedule is read
+      once per call; the window ends on the first call at which the number of
+      microbatches reaches the schedule's value. A traced schedule value below 1
+      behaves as 1 (it cannot raise inside jit); a concrete one raises.
+    axis_name: inside `jax.pmap`/`jax.shard_map`, the data axis: each replica
+      accumulates locally and the window end does one all-reduce of
+      (sum w g, sum w), giving the global weighted mean. Under `jax.shard_map`,
+      take gradients with respect to parameters cast to varying
+      (`lax.pcast(params, axis_name, to="varying")`); gradients already summed
+      by autodiff over replicated parameters raise a ValueError.
+    accumulator_dtype: dtype of the running sum. None: the wider of float32 and
+      each gradient's dtype (bf16 -> float32, float64 stays float64).
+    comm_dtype: dtype on the wire for the window-end all-reduce (e.g.
+      `jnp.bfloat16`); accumulation stays in `accumulator_dtype`.
+    skip_nonfinite: drop a microbatch whose gradient holds a NaN or Inf (its
+      weight is not counted; `num_skipped` counts it). A window with no finite
+      microbatch emits zero updates and leaves `inner`'s state untouched.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` whose state is an
+    `AccumulateState`. Updates come back in each gradient's dtype.
+
+  Raises:
+    TypeError/ValueError: `every_k` not an integer >= 1 (or a schedule whose
+      value at 0 is not), and, at update time, a grads tree that does not match
+      the state, a concrete weight that is not finite and > 0, or an
+      `axis_name` that is not bound.
+  """
+  every_k = _check_every_k(every_k)
+  if axis_name is not None and not isinstance(axis_name, (str, tuple)):
+    raise TypeError(f"{axis_name=} must be a string, a tuple of strings, or None")
+  if accumulator_dtype is not None:
+    accumulator_dtype = jnp.dtype(accumulator_dtype)
+    if not jnp.issubdtype(accumulator_dtype, jnp.floating):
+      raise ValueError(f"{accumulator_dtype=} must be a floating dtype")
+  if comm_dtype is not None:
+    comm_dtype = jnp.dtype(comm_dtype)
+    if not jnp.issubdtype(comm_dtype, jnp.floating):
+      raise ValueError(f"{comm_dtype=} must be a floating dtype")
+  if not isinstance(skip_nonfinite, bool):
+    raise TypeError(f"{skip_nonfinite=} must be a bool")
+  inner = optax.with_extra_args_support(inner)
+
+  def init(params):
+    acc_grads = jax.tree.map(
+        lambda p: jnp.zeros(jnp.shape(p), _tree.accumulator_dtype(p.dtype, accumulator_dtype)), params)
+    weight_dtype = _tree.widest(x.dtype for x in jax.tree.leaves(acc_grads))
+    return AccumulateState(
+        micro_step=jnp.zeros([], jnp.int32),
+        update_count=jnp.zeros([], jnp.int32),
+        acc_grads=acc_grads,
+        acc_weight=jnp.zeros([], weight_dtype),
+        inner_state=inner.init(params),
+        num_skipped=jnp.zeros([], jnp.int32),
+        updated=jnp.zeros([], jnp.bool_),
+    )
+
+  def window_length(update_count):
+    if not callable(every_k):
+      return every_k
+    k = every_k(update_count)
+    if _tree.is_concrete(k):
+      _check_k_value(k, f"every_k({int(update_count)})")
+    return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
+
+  def update(grads, state, params=None, *, weight=None, **extra_args):
+    if not isinstance(state, AccumulateState):
+      raise TypeError(f"state must be an AccumulateState, got {type(state).__name__}")
+    _tree.check_same_structure(grads, state.acc_grads, "grads", "the accumulator state.acc_grads")
+    weight = _check_weight(weight)
+    if axis_name is not None:
+      parallel.check_axis_name(axis_name)
+      parallel.check_varying(grads, axis_name)
+
+    finite = _tree.all_finite(grads) if skip_nonfinite else None
+    num_skipped = state.num_skipped
+    if finite is not None:
+      num_skipped = num_skipped + jnp.logical_not(finite).astype(jnp.int32)
+
+    # The micro-step: one fused pass per leaf, acc <- (new window ? 0 : acc) + w g.
+    # The accumulator is reset lazily, on the first add of the next window,
+    # rather than zeroed at the window's end: that keeps the add outside the
+    # cond and in place in a donated buffer (XLA copies values that pass
+    # through a branch, and operands a branch shares with an in-place write).
+    new_window = state.micro_step == 0
+
+    def add_leaf(acc, g):
+      g = g.astype(acc.dtype)
+      if weight is not None:
+        g = g * weight.astype(acc.dtype)
+      if finite is not None:
+        g = jnp.where(finite, g, jnp.zeros_like(g))  # NaN * 0 is NaN: select, don't scale.
+      return jnp.where(new_window, jnp.zeros_like(acc), acc) + g
+
+    acc_grads = jax.tree.map(add_leaf, state.acc_grads, grads)
+    w = jnp.ones([], state.acc_weight.dtype) if weight is None else weight.astype(state.acc_weight.dtype)
+    if finite is not None:
+      w = jnp.where(finite, w, jnp.zeros_like(w))
+    acc_weight = jnp.where(new_window, jnp.zeros_like(w), state.acc_weight) + w
+
+    def emit(operands):
+      """The window's end: all-reduce, mean, `inner`. Runs only in the taken branch."""
+      acc_grads, acc_weight, inner_state, update_count = operands
+      if axis_name is not None:
+        # One psum of the pair; comm_dtype applies to the gradients only, since a
+        # token count in bf16 is exact only up to 256.
+        sent = _tree.cast_tree(acc_grads, comm_dtype)
+        sent, acc_weight = lax.psum((sent, acc_weight), axis_name)
+        acc_grads = _tree.cast_like(sent, acc_grads)
+
+      def apply_inner(operands):
+        acc_grads, acc_weight, inner_state = operands
+        mean = jax.tree.map(lambda a, g: (a / acc_weight.astype(a.dtype)).astype(g.dtype), acc_grads, grads)
+        updates, inner_state = inner.update(mean, inner_state, params, **extra_args)
+        return _tree.cast_like(updates, grads), inner_state
+
+      def skip_inner(operands):
+        _, _, inner_state = operands
+        return _zeros_like(grads), inner_state
+
+      if skip_nonfinite:
+        has_data = acc_weight > 0
+        updates, inner_state = parallel.cond(
+            has_data, apply_inner, skip_inner, (acc_grads, acc_weight, inner_state))
+      else:
+        has_data = jnp.asarray(True)
+        updates, inner_state = apply_inner((acc_grads, acc_weight, inner_state))
+      return updates, inner_state, update_count + has_data.astype(jnp.int32), has_data
+
+    def hold(operands):
+      """A micro-step: `inner`'s state passes through untouched (XLA aliases it, no copy)."""
+      _, _, inner_state, update_count = operands
+      return _zeros_like(grads), inner_state, update_count, jnp.asarray(False)
+
+    operands = (acc_grads, acc_weight, state.inner_state, state.update_count)
+    k = window_length(state.update_count)
+    if isinstance(k, int) and k == 1:
+      updates, inner_state, update_count, updated = emit(operands)
+      micro_step = jnp.zeros_like(state.micro_step)
+    else:
+      micro_step = state.micro_step + 1
+      is_last = micro_step >= k
+      updates, inner_state, update_count, updated = parallel.cond(is_last, emit, hold, operands)
+      micro_step = jnp.where(is_last, jnp.zeros_like(micro_step), micro_step)
+    return updates, AccumulateState(
+        micro_step=micro_step,
+        update_count=update_count,
+        acc_grads=acc_grads,
+        acc_weight=acc_weight,
+        inner_state=inner_state,
+        num_skipped=num_skipped,
+        updated=updated,
+    )
+
+  return optax.GradientTransformationExtraArgs(init, update)

@@ -1,0 +1,543 @@
+"""ja.accumulate against full-batch steps written plainly with jax/optax, in float64."""
+
+import functools
+import re
+from typing import NamedTuple
+
+import chex
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxaccum as ja
+from jaxaccum import _hlo
+from conftest import mlp_apply, mlp_init, mse_loss, regression_data
+
+RTOL = 1e-12
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(0.05),
+    "amsgrad": lambda: optax.amsgrad(0.05),
+    "adamw": lambda: optax.adamw(0.05, weight_decay=0.1),
+    "lamb": lambda: optax.lamb(0.05),
+}
+
+
+def split_rows(data, sizes):
+  """Consecutive microbatches of the given sizes."""
+  x, y = data
+  edges = np.cumsum([0] + list(sizes))
+  return [(x[a:b], y[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def full_batch_run(opt, params, loss_fn, windows):
+  """The reference: one plain optax step per window on the union of its microbatches."""
+  state = opt.init(params)
+  trajectory = []
+  for window in windows:
+    union = jax.tree.map(lambda *xs: jnp.concatenate(xs), *window)
+    grads = jax.grad(loss_fn)(params, union)
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    trajectory.append(params)
+  return trajectory
+
+
+def make_step(tx, loss_fn):
+  @jax.jit
+  def step(params, state, batch, weight):
+    grads = jax.grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state, params, weight=weight)
+    return optax.apply_updates(params, updates), state, updates
+  return step
+
+
+def accumulate_run(tx, params, loss_fn, windows, weighted=True):
+  step = make_step(tx, loss_fn)
+  state = tx.init(params)
+  trajectory = []
+  for window in windows:
+    for i, micro in enumerate(window):
+      weight = jnp.asarray(micro[0].shape[0], jnp.float64) if weighted else None
+      params, state, updates = step(params, state, micro, weight)
+      last = i == len(window) - 1
+      assert bool(ja.has_updated(state)) == last
+      if not last:
+        chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+    trajectory.append(params)
+  return trajectory, state
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_equals_full_batch(problem, name, k):
+  params, loss_fn, data = problem
+  micro = split_rows(data, [8] * (3 * k))
+  windows = [micro[i * k:(i + 1) * k] for i in range(3)]
+  expected = full_batch_run(OPTIMIZERS[name](), params, loss_fn, windows)
+  got, state = accumulate_run(ja.accumulate(OPTIMIZERS[name](), k), params, loss_fn, windows, weighted=False)
+  chex.assert_trees_all_close(got, expected, rtol=RTOL, atol=0)
+  assert int(state.update_count) == 3 and int(state.micro_step) == 0
+
+
+def test_unequal_sizes_weighted_exact_multisteps_is_not(problem):
+  params, loss_fn, data = problem
+  sizes = [3, 5, 8]
+  windows = [split_rows(data, sizes), split_rows((data[0][16:], data[1][16:]), sizes)]
+  expected = full_batch_run(optax.sgd(0.1), params, loss_fn, windows)
+  got, _ = accumulate_run(ja.accumulate(optax.sgd(0.1), 3), params, loss_fn, windows, weighted=True)
+  chex.assert_trees_all_close(got, expected, rtol=RTOL, atol=0)
+
+  # optax.MultiSteps averages means of unequal microbatches: measurably off.
+  tx = optax.MultiSteps(optax.sgd(0.1), 3)
+  state, p = tx.init(params), params
+  for micro in windows[0]:
+    updates, state = tx.update(jax.grad(loss_fn)(p, micro), state, p)
+    p = optax.apply_updates(p, updates)
+  delta_ref = jax.tree.map(jnp.subtract, expected[0], params)
+  delta_ms = jax.tree.map(jnp.subtract, p, params)
+  err = optax.tree.norm(jax.tree.map(jnp.subtract, delta_ms, delta_ref)) / optax.tree.norm(delta_ref)
+  assert err > 0.01, err
+
+
+# ----------------------------------------------------------------------------- the Keras seed
+
+
+def keras_adam_accumulate(params, batches, lr, decay, accum_iters, beta_1=0.9, beta_2=0.999, epsilon=0.0):
+  """A literal port of the seed's Keras AdamAccumulate.get_updates, one call per batch, in numpy."""
+  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  p = np.asarray(flat)
+  m, v, tg = np.zeros_like(p), np.zeros_like(p), np.zeros_like(p)
+  iterations = 0
+  for batch in batches:
+    g = np.asarray(jax.flatten_util.ravel_pytree(jax.grad(mse_loss)(unravel(p), batch))[0])
+    completed_updates = float(iterations // accum_iters)
+    lr_d = lr * (1.0 / (1.0 + decay * completed_updates)) if decay > 0 else lr
+    t = completed_updates + 1
+    lr_t = lr_d * (np.sqrt(1.0 - beta_2 ** t) / (1.0 - beta_1 ** t))
+    update_switch = float((iterations + 1) % accum_iters == 0)
+    sum_grad = tg + g
+    avg_grad = sum_grad / accum_iters
+    m_t = beta_1 * m + (1.0 - beta_1) * avg_grad
+    v_t = beta_2 * v + (1.0 - beta_2) * np.square(avg_grad)
+    p_t = p - lr_t * m_t / (np.sqrt(v_t) + epsilon)
+    m = (1 - update_switch) * m + update_switch * m_t
+    v = (1 - update_switch) * v + update_switch * v_t
+    tg = (1 - update_switch) * sum_grad
+    p = (1 - update_switch) * p + update_switch * p_t
+    iterations += 1
+  return unravel(jnp.asarray(p))
+
+
+def test_keras_adam_accumulate_seed(problem):
+  params, loss_fn, data = problem
+  lr, decay, accum_iters = 0.01, 1e-2, 5
+  batches = split_rows(data, [10] * 10)  # batch 10, two windows: batch 50 per update
+  expected = keras_adam_accumulate(params, batches, lr, decay, accum_iters)
+
+  # Keras decays lr by completed updates; inner counts updates because it only runs on them.
+  schedule = lambda count: lr / (1.0 + decay * count)
+  tx = ja.accumulate(optax.adam(schedule, eps=0.0), accum_iters)
+  got, _ = accumulate_run(tx, params, loss_fn, [batches[:5], batches[5:]], weighted=False)
+  chex.assert_trees_all_close(got[-1], expected, rtol=1e-11, atol=0)
+  # ... and that is Adam at batch 50 with lr / (1 + decay * t).
+  reference = full_batch_run(optax.adam(schedule, eps=0.0), params, loss_fn, [batches[:5], batches[5:]])
+  chex.assert_trees_all_close(reference[-1], expected, rtol=1e-11, atol=0)
+
+
+# ----------------------------------------------------------------------------- schedules of k
+
+
+def test_every_k_schedule(problem):
+  params, loss_fn, data = problem
+  every_k = lambda count: jnp.where(count < 2, 2, 3)
+  sizes = [2, 2, 3, 3]
+  micro = split_rows(data, [6] * sum(sizes))
+  windows, start = [], 0
+  for size in sizes:
+    windows.append(micro[start:start + size])
+    start += size
+  expected = full_batch_run(optax.adam(0.05), params, loss_fn, windows)
+  got, state = accumulate_run(ja.accumulate(optax.adam(0.05), every_k), params, loss_fn, windows)
+  chex.assert_trees_all_close(got, expected, rtol=RTOL, atol=0)
+  assert int(state.update_count) == 4
+
+
+class CountState(NamedTuple):
+  calls: jax.Array
+
+
+def counting(inner):
+  """Wraps `inner`, counting in its state how many times its update ran."""
+  def init(params):
+    return CountState(jnp.zeros([], jnp.int32)), inner.init(params)
+
+  def update(grads, state, params=None):
+    count, inner_state = state
+    updates, inner_state = inner.update(grads, inner_state, params)
+    return updates, (CountState(count.calls + 1), inner_state)
+
+  return optax.GradientTransformation(init, update)
+
+
+def test_inner_runs_only_at_window_ends(problem):
+  params, loss_fn, data = problem
+  tx = ja.accumulate(counting(optax.adam(0.05)), 4)
+  step = make_step(tx, loss_fn)
+  state = tx.init(params)
+  for i, micro in enumerate(split_rows(data, [10] * 10)):
+    params, state, _ = step(params, state, micro, None)
+    assert int(state.inner_state[0].calls) == (i + 1) // 4
+    assert int(state.inner_state[1][0].count) == (i + 1) // 4  # adam's own step count too
+
+
+def test_no_copy_of_inner_state_on_micro_steps():
+  """Compiled with donation, nothing params-sized is copied: the inner state passes through."""
+  # Leaves of distinct shapes, so that XLA cannot merge equal zero broadcasts (and copy them apart).
+  params = {"a": jnp.ones((64, 32)), "b": jnp.ones((48,)), "c": jnp.ones((16, 8))}
+  loss_fn = lambda p, x: jnp.sum(jnp.tanh(p["a"] * x) ** 2) + jnp.sum(p["b"] ** 3) + jnp.sum(p["c"] ** 2 * x)
+  for tx in [ja.accumulate(optax.adam(0.1), 4), ja.accumulate(optax.adam(0.1), 4, skip_nonfinite=True)]:
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, state, x):
+      updates, state = tx.update(jax.grad(loss_fn)(params, x), state, params)
+      return optax.apply_updates(params, updates), state
+    hlo = step.lower(params, tx.init(params), jnp.float64(0.5)).compile().as_text()
+    big_copies = [line for line in hlo.splitlines() if " copy(" in line and "[]" not in line.split("=")[1].split(" copy(")[0]]
+    assert not big_copies, big_copies
+    assert _hlo.count(hlo, "conditional") >= 1
+
+
+# ----------------------------------------------------------------------------- skipping non-finite
+
+
+def test_skip_nonfinite(problem):
+  params, loss_fn, data = problem
+  micro = split_rows(data, [10] * 6)
+  nan = (micro[1][0].at[0, 0].set(jnp.nan), micro[1][1])
+  tx = ja.accumulate(optax.adam(0.05), 3, skip_nonfinite=True)
+  step = make_step(tx, loss_fn)
+  state = tx.init(params)
+  p = params
+  for batch in [micro[0], nan, micro[2]]:
+    p, state, _ = step(p, state, batch, jnp.float64(10.0))
+  expected = full_batch_run(optax.adam(0.05), params, loss_fn, [[micro[0], micro[2]]])
+  chex.assert_trees_all_close(p, expected[0], rtol=RTOL, atol=0)
+  assert int(state.num_skipped) == 1 and int(state.update_count) == 1
+
+  # A window with nothing finite: no update, inner state untouched, not counted as an update.
+  before = state
+  inf_batch = (micro[3][0].at[:, 0].set(jnp.inf), micro[3][1])
+  p2 = p
+  for _ in range(3):
+    p2, state, updates = step(p2, state, inf_batch, None)
+    chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
+  chex.assert_trees_all_equal(p2, p)
+  chex.assert_trees_all_equal(state.inner_state, before.inner_state)
+  assert int(state.update_count) == 1 and int(state.num_skipped) == 4
+  assert not bool(ja.has_updated(state))
+
+
+# ----------------------------------------------------------------------------- property
+
+
+def _masked_mse(params, x, y, mask):
+  return jnp.sum(mask * jnp.sum((mlp_apply(params, x) - y) ** 2, axis=-1)) / jnp.sum(mask)
+
+
+_masked_grad = jax.jit(jax.grad(_masked_mse))
+_property_update = jax.jit(optax.sgd(0.3, momentum=0.5).update)
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+    scale=st.floats(0.25, 4.0),
+)
+def test_property_weighted_window_is_full_batch(sizes, scale):
+  """Random microbatch sizes and weight scales: the window's update is the full-batch update."""
+  params = mlp_init(jax.random.PRNGKey(2), (3, 4, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 54)  # masks select rows: one compile for every size
+  edges = np.cumsum([0] + sizes)
+  masks = [jnp.asarray((np.arange(54) >= a) & (np.arange(54) < b), jnp.float64) for a, b in zip(edges[:-1], edges[1:])]
+  union = jnp.asarray(np.arange(54) < edges[-1], jnp.float64)
+  inner = optax.sgd(0.3, momentum=0.5)
+  expected, _ = _property_update(_masked_grad(params, x, y, union), inner.init(params), params)
+
+  tx = ja.accumulate(inner, len(sizes))
+  update = _jitted_update(len(sizes))
+  state = tx.init(params)
+  for mask, n in zip(masks, sizes):
+    # Any common scale of the weights gives the same mean.
+    updates, state = update(_masked_grad(params, x, y, mask), state, params, jnp.float64(scale * n))
+  assert bool(ja.has_updated(state))
+  chex.assert_trees_all_close(updates, expected, rtol=1e-11, atol=1e-15)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_update(k):
+  tx = ja.accumulate(optax.sgd(0.3, momentum=0.5), k)
+  return jax.jit(lambda g, s, p, w: tx.update(g, s, p, weight=w))
+
+
+# ----------------------------------------------------------------------------- dtypes, vmap, shardings
+
+
+def test_dtypes_bf16_params_mixed_inner_state():
+  params = {"w": jnp.ones((4, 3), jnp.bfloat16), "b": jnp.zeros((3,), jnp.float32)}
+  inner = optax.adam(0.1, mu_dtype=jnp.bfloat16)
+  tx = ja.accumulate(inner, 2)
+  state = tx.init(params)
+  assert state.acc_grads["w"].dtype == jnp.float32 and state.acc_grads["b"].dtype == jnp.float32
+  grads = [{"w": jnp.full((4, 3), 0.1 * (i + 1), jnp.bfloat16), "b": jnp.full((3,), 0.5 * i, jnp.float32)} for i in range(2)]
+  update = jax.jit(tx.update)
+  for g in grads:
+    updates, state = update(g, state, params)
+  assert updates["w"].dtype == jnp.bfloat16 and updates["b"].dtype == jnp.float32
+  expected, _ = inner.update(jax.tree.map(lambda a, b: ((a.astype(jnp.float32) + b.astype(jnp.float32)) / 2).astype(a.dtype), *grads), inner.init(params), params)
+  chex.assert_trees_all_close(updates, expected, rtol=1e-2)
+  # float64 grads stay float64; an explicit accumulator dtype is honoured.
+  assert ja.accumulate(inner, 2).init({"x": jnp.zeros(2, jnp.float64)}).acc_grads["x"].dtype == jnp.float64
+  assert ja.accumulate(inner, 2, accumulator_dtype=jnp.float64).init(params).acc_grads["w"].dtype == jnp.float64
+
+
+def test_vmap_over_independent_problems(problem):
+  params, loss_fn, data = problem
+  tx = ja.accumulate(optax.adam(0.05), 2)
+  micro = split_rows(data, [10] * 4)  # problem 0 sees micro 0, 1; problem 1 sees micro 2, 3
+  stacked = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+  params_b = stacked([params, params])
+  state_b = jax.vmap(tx.init)(params_b)
+  step = jax.jit(jax.vmap(functools.partial(_plain_step, tx, loss_fn)))
+  for t in range(2):
+    params_b, state_b = step(params_b, state_b, stacked([micro[t], micro[2 + t]]))
+  for i in range(2):
+    expected = full_batch_run(optax.adam(0.05), params, loss_fn, [[micro[2 * i], micro[2 * i + 1]]])
+    chex.assert_trees_all_close(jax.tree.map(lambda x: x[i], params_b), expected[0], rtol=RTOL, atol=0)
+
+
+def _plain_step(tx, loss_fn, params, state, batch):
+  updates, state = tx.update(jax.grad(loss_fn)(params, batch), state, params)
+  return optax.apply_updates(params, updates), state
+
+
+def test_jit_with_named_shardings(problem):
+  params, loss_fn, data = problem
+  mesh = ja.data_mesh("data")
+  replicated = NamedSharding(mesh, P())
+  tx = ja.accumulate(optax.adam(0.05), 2)
+  micro = split_rows(data, [16] * 4)
+  step = jax.jit(functools.partial(_plain_step, tx, loss_fn))
+  p, s = jax.device_put((params, tx.init(params)), replicated)
+  for m in micro:
+    p, s = step(p, s, ja.shard_batch(m, mesh))
+  expected = full_batch_run(optax.adam(0.05), params, loss_fn, [micro[:2], micro[2:]])
+  chex.assert_trees_all_close(p, expected[-1], rtol=RTOL, atol=0)
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+
+def device_windows(data, num_devices, k, sizes_per_device):
+  """Per device and micro-step, a microbatch; devices get different row counts."""
+  x, y = data
+  rows, start = {}, 0
+  for d in range(num_devices):
+    for i in range(k):
+      n = sizes_per_device[d]
+      rows[d, i] = (x[start:start + n], y[start:start + n])
+      start += n
+  return rows
+
+
+@pytest.mark.parametrize("style", ["pmap", "shard_map"])
+def test_data_parallel_unequal_tokens_equals_one_device(style):
+  n_dev, k = 8, 3
+  sizes = [2, 3, 4, 5, 2, 3, 4, 5]
+  pad = max(sizes)
+  params = mlp_init(jax.random.PRNGKey(4), (3, 6, 2))
+  data = regression_data(jax.random.PRNGKey(5), sum(sizes) * k)
+  rows = device_windows(data, n_dev, k, sizes)
+
+  def masked_loss(p, batch):
+    x, y, mask = batch
+    per_row = jnp.sum((mlp_apply(p, x) - y) ** 2, axis=-1)
+    return jnp.sum(per_row * mask) / jnp.sum(mask)
+
+  def padded(i):  # micro-step i for every device, padded to `pad` rows with a mask
+    xs, ys, ms = [], [], []
+    for d in range(n_dev):
+      x, y = rows[d, i]
+      n = x.shape[0]
+      xs.append(jnp.pad(x, ((0, pad - n), (0, 0))))
+      ys.append(jnp.pad(y, ((0, pad - n), (0, 0))))
+      ms.append(jnp.arange(pad) < n)
+    return jnp.stack(xs), jnp.stack(ys), jnp.stack(ms).astype(jnp.float64)
+
+  tx = ja.accumulate(optax.adam(0.05), k, axis_name="data")
+
+  def local_step(p, s, batch):
+    grad_params = lax.pcast(p, "data", to="varying") if style == "shard_map" else p
+    grads = jax.grad(masked_loss)(grad_params, batch)
+    updates, s = tx.update(grads, s, p, weight=jnp.sum(batch[2]))
+    return optax.apply_updates(p, updates), s
+
+  state = tx.init(params)
+  if style == "pmap":
+    step = jax.pmap(local_step, axis_name="data", in_axes=(None, None, 0), out_axes=(None, None))
+    p = params
+    for i in range(k):
+      p, state = step(p, state, padded(i))
+  else:
+    mesh = ja.data_mesh("data")
+    state_spec = jax.tree.map(lambda _: P(), state)
+    state_spec = state_spec._replace(acc_grads=jax.tree.map(lambda _: P("data"), state.acc_grads), acc_weight=P("data"))
+    step = jax.jit(jax.shard_map(
+        functools.partial(_squeeze_step, local_step),
+        mesh=mesh, in_specs=(P(), state_spec, P("data")), out_specs=(P(), state_spec)))
+    # The local accumulator differs per device: give each device its own slot.
+    state = state._replace(acc_grads=jax.tree.map(lambda a: jnp.stack([a] * n_dev), state.acc_grads),
+                           acc_weight=jnp.stack([state.acc_weight] * n_dev))
+    p = params
+    for i in range(k):
+      p, state = step(p, state, padded(i))
+
+  union = [jax.tree.map(lambda *xs: jnp.concatenate(xs), *[rows[d, i] for d in range(n_dev) for i in range(k)])]
+  expected = full_batch_run(optax.adam(0.05), params, lambda q, b: jnp.mean(jnp.sum((mlp_apply(q, b[0]) - b[1]) ** 2, -1)), [union])
+  chex.assert_trees_all_close(p, expected[0], rtol=RTOL, atol=0)
+
+
+def _squeeze_step(local_step, p, s, batch):
+  """Inside shard_map: drop the per-device leading axis of the batch and of the local accumulator."""
+  batch = jax.tree.map(lambda x: x[0], batch)
+  s = s._replace(acc_grads=jax.tree.map(lambda a: a[0], s.acc_grads), acc_weight=s.acc_weight[0])
+  p, s = local_step(p, s, batch)
+  return p, s._replace(acc_grads=jax.tree.map(lambda a: a[None], s.acc_grads), acc_weight=s.acc_weight[None])
+
+
+def test_shard_map_pitfall_is_caught():
+  params = {"w": jnp.ones((3,))}
+  tx = ja.accumulate(optax.sgd(0.1), 2, axis_name="data")
+  mesh = ja.data_mesh("data")
+
+  def local_step(p, s, x):
+    grads = jax.grad(lambda q: jnp.mean((x @ q["w"]) ** 2))(p)  # p replicated: autodiff psums
+    return tx.update(grads, s, p)
+
+  f = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P())))
+  with pytest.raises(ValueError, match="invariant over axis_name='data'.*pcast"):
+    f(params, tx.init(params), jnp.ones((16, 3)))
+  pm = ja.pmean("data")
+  g = jax.jit(jax.shard_map(lambda p, x: pm.update(jax.grad(lambda q: jnp.mean((x @ q["w"]) ** 2))(p), pm.init(p))[0],
+                            mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+  with pytest.raises(ValueError, match="pcast"):
+    g(params, jnp.ones((16, 3)))
+
+
+def test_all_reduce_only_at_window_end_in_hlo():
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  tx = ja.accumulate(optax.adam(0.05), 4, axis_name="data")
+  step = jax.pmap(functools.partial(_plain_step, tx, mse_loss), axis_name="data", in_axes=(None, None, 0))
+  x, y = regression_data(jax.random.PRNGKey(1), 16)
+  hlo = step.lower(params, tx.init(params), (x.reshape(8, 2, 3), y.reshape(8, 2, 2))).compile().as_text()
+  where = _hlo.locate(hlo, "all-reduce")
+  assert where["top"] == 0 and where["loop"] == 0, where
+  assert where["branch"] >= 1, where
+
+  # The counter is not blind: optax.MultiSteps + pmean all-reduces on every micro-step.
+  ms = optax.chain(ja.pmean("data"), optax.adam(0.05))
+  ms = optax.MultiSteps(ms, 4)
+  step_ms = jax.pmap(functools.partial(_plain_step, ms, mse_loss), axis_name="data", in_axes=(None, None, 0))
+  hlo_ms = step_ms.lower(params, ms.init(params), (x.reshape(8, 2, 3), y.reshape(8, 2, 2))).compile().as_text()
+  assert _hlo.locate(hlo_ms, "all-reduce")["top"] >= 1
+
+
+def test_comm_dtype_bf16_on_the_wire():
+  params = {"w": jnp.ones((3,))}
+  tx = ja.accumulate(optax.sgd(1.0), 1, axis_name="data", comm_dtype=jnp.bfloat16)
+  f = jax.pmap(lambda g: tx.update({"w": g}, tx.init(params), params)[0]["w"], axis_name="data")
+  g = jnp.arange(24.0).reshape(8, 3) / 7
+  # The program sends bf16 (XLA:CPU then widens its all-reduces to f32; GPUs and TPUs do not).
+  lowered = f.lower(g).as_text()
+  assert re.search(r"stablehlo.all_reduce.{0,400}\}\) : \(tensor<3xbf16>\)", lowered, re.S)
+  # The weight travels in its own dtype (bf16 counts are exact only to 256): XLA merges the
+  # scalar into the gradient's all-reduce when the dtypes agree, else it is a second, scalar one.
+  assert _hlo.count(f.lower(g).compile().as_text(), "all-reduce") <= 2
+  out = f(g)
+  assert out.dtype == jnp.float64
+  np.testing.assert_allclose(out[0], -g.mean(0), rtol=2e-2)
+
+
+def test_pmean_psum_transforms():
+  pm, ps = ja.pmean("data"), ja.psum("data")
+  g = jnp.arange(24.0).reshape(8, 3)
+  mean = jax.pmap(lambda x: pm.update({"g": x}, pm.init(None))[0]["g"], axis_name="data")(g)
+  total = jax.pmap(lambda x: ps.update({"g": x}, ps.init(None))[0]["g"], axis_name="data")(g)
+  np.testing.assert_allclose(mean, np.broadcast_to(np.asarray(g).mean(0), (8, 3)), rtol=1e-15)
+  np.testing.assert_allclose(total, np.broadcast_to(np.asarray(g).sum(0), (8, 3)), rtol=1e-15)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("every_k, error", [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError), ("3", TypeError)])
+def test_bad_every_k(every_k, error):
+  with pytest.raises(error, match="every_k"):
+    ja.accumulate(optax.sgd(0.1), every_k)
+
+
+def test_schedule_returning_zero():
+  with pytest.raises(ValueError, match=r"every_k\(0\)=0"):
+    ja.accumulate(optax.sgd(0.1), lambda count: 0)
+  tx = ja.accumulate(optax.sgd(0.1), lambda count: 2 if count < 1 else 0)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  for _ in range(2):
+    _, state = tx.update({"w": jnp.ones(2)}, state)
+  with pytest.raises(ValueError, match=r"every_k\(1\)=0"):
+    tx.update({"w": jnp.ones(2)}, state)
+
+
+def test_bad_grads_and_weights():
+  params = {"w": jnp.ones(2), "b": jnp.ones(3)}
+  tx = ja.accumulate(optax.sgd(0.1), 2)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match="grads does not match"):
+    tx.update({"w": jnp.ones(2)}, state)
+  with pytest.raises(ValueError, match=r"grads does not match.*\['b'\].*shape"):
+    tx.update({"w": jnp.ones(2), "b": jnp.ones(4)}, state)
+  for bad in [-1.0, 0.0, float("nan"), float("inf")]:
+    with pytest.raises(ValueError, match="weight="):
+      tx.update(params, state, weight=bad)
+  with pytest.raises(ValueError, match="weight must be a scalar"):
+    tx.update(params, state, weight=jnp.ones(2))
+  with pytest.raises(TypeError, match="state must be an AccumulateState"):
+    tx.update(params, state.inner_state)
+  # State untouched: pure functions, and the same state still works.
+  _, new_state = tx.update(params, state, weight=2.0)
+  assert int(new_state.micro_step) == 1 and int(state.micro_step) == 0
+
+
+def test_bad_axis_name_and_options():
+  params = {"w": jnp.ones(2)}
+  tx = ja.accumulate(optax.sgd(0.1), 2, axis_name="data")
+  with pytest.raises(ValueError, match="axis_name='data' is not bound"):
+    jax.jit(tx.update)(params, tx.init(params))
+  with pytest.raises(ValueError, match="axis_name='data' is not bound"):
+    jax.jit(ja.pmean("data").update)(params, ja.pmean("data").init(params))
+  with pytest.raises(TypeError, match="axis_name"):
+    ja.accumulate(optax.sgd(0.1), 2, axis_name=3)
+  with pytest.raises(ValueError, match="accumulator_dtype"):
+    ja.accumulate(optax.sgd(0.1), 2, accumulator_dtype=jnp.int32)
+  with pytest.raises(TypeError, match="skip_nonfinite"):
+    ja.accumulate(optax.sgd(0.1), 2, skip_nonfinite=1)
