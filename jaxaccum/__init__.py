@@ -11,5 +11,6 @@ from jaxaccum.parallel import pmean
 from jaxaccum.parallel import psum
 from jaxaccum.parallel import replicate
 from jaxaccum.parallel import shard_batch
+from jaxaccum import schedules
 
 __version__ = "0.1.0"
