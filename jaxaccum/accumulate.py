@@ -156,8 +156,8 @@ def accumulate(
       `axis_name` that is not bound.
   """
   every_k = _check_every_k(every_k)
-  if axis_name is not None and not isinstance(axis_name, (str, tuple)):
-    raise TypeError(f"{axis_name=} must be a string, a tuple of strings, or None")
+  if axis_name is not None:
+    parallel.validate_axis_name(axis_name)
   if accumulator_dtype is not None:
     accumulator_dtype = jnp.dtype(accumulator_dtype)
     if not jnp.issubdtype(accumulator_dtype, jnp.floating):

@@ -32,13 +32,20 @@ from jaxaccum import _tree
 # --------------------------------------------------------------------------- axis checks
 
 
+def validate_axis_name(axis_name: Any, arg: str = "axis_name") -> None:
+  """Raises a TypeError unless `axis_name` is a non-empty string or tuple of them."""
+  ok = isinstance(axis_name, str) and axis_name
+  ok = ok or (isinstance(axis_name, tuple) and axis_name and all(isinstance(n, str) and n for n in axis_name))
+  if not ok:
+    raise TypeError(f"{arg}={axis_name!r} must be a non-empty string (or a tuple of them)")
+
+
 def check_axis_name(axis_name: Any, arg: str = "axis_name") -> int:
   """Returns the size of the bound axis `axis_name`, or raises a ValueError naming it.
 
   Must be called while tracing inside `pmap`, `shard_map` or `vmap(axis_name=...)`.
   """
-  if not isinstance(axis_name, (str, tuple)) or (isinstance(axis_name, tuple) and not axis_name):
-    raise TypeError(f"{arg}={axis_name!r} must be a string (or a tuple of strings)")
+  validate_axis_name(axis_name, arg)
   try:
     return lax.axis_size(axis_name)
   except NameError:
@@ -132,8 +139,7 @@ class AllReduceState(NamedTuple):
 
 
 def _all_reduce_transform(axis_name, comm_dtype, mean: bool) -> optax.GradientTransformationExtraArgs:
-  if not isinstance(axis_name, (str, tuple)):
-    raise TypeError(f"{axis_name=} must be a string (or a tuple of strings)")
+  validate_axis_name(axis_name)
   if comm_dtype is not None:
     comm_dtype = jnp.dtype(comm_dtype)
 
@@ -220,12 +226,19 @@ def shard_batch(batch, mesh: Mesh, axis_name: str = "data"):
 
 
 def replicate(tree, mesh: Mesh):
-  """Places a full copy of `tree` on every device of `mesh` (every process passes the same values)."""
+  """Places a full copy of `tree` on every device of `mesh` (every process passes the same values).
+
+  The result never shares buffers with `tree`: a train step that donates its
+  parameters (`ja.make_train_step(..., donate=True)`) must not delete the
+  caller's arrays.
+  """
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh (see ja.data_mesh)")
   sharding = NamedSharding(mesh, PartitionSpec())
   if jax.process_count() == 1:
-    return jax.device_put(tree, sharding)
+    # device_put may hand back the caller's own buffer as one of the shards (even
+    # with may_alias=False, checked on jax 0.10), so put a private copy instead.
+    return jax.device_put(jax.tree.map(lambda x: jnp.array(x, copy=True), tree), sharding)
 
   def put(x):
     x = np.asarray(x)
