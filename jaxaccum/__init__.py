@@ -6,11 +6,14 @@ Public names only; every one lives in the module named after its concept.
 from jaxaccum.accumulate import AccumulateState
 from jaxaccum.accumulate import accumulate
 from jaxaccum.accumulate import has_updated
+from jaxaccum.microbatch import microbatch
 from jaxaccum.parallel import data_mesh
 from jaxaccum.parallel import pmean
 from jaxaccum.parallel import psum
 from jaxaccum.parallel import replicate
 from jaxaccum.parallel import shard_batch
+from jaxaccum.planner import plan_microbatches
+from jaxaccum.train_step import make_train_step
 from jaxaccum import schedules
 
 __version__ = "0.1.0"

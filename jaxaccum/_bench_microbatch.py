@@ -1,0 +1,205 @@
+"""Benchmark section: microbatch()/make_train_step() memory, time and all-reduces per update.
+
+- Compiled memory (arguments + outputs - aliases + temp, params and state
+  donated) of a K=16 microbatched adam step vs the full-batch step and vs
+  (one-microbatch step + a params-sized accumulator + the rest of the batch).
+- Time at B=128, K=16 vs the full batch and vs `optax.microbatching.microbatch`,
+  interleaved repeats, medians (the machine is shared: read the ratios).
+- All-reduce instructions per update on 8 devices at K=16: make_train_step vs
+  optax.MultiSteps + pmean under pmap vs jit with a sharded batch and a scan.
+
+Touches no device at import: `python -m jaxaccum.bench` sets 8 CPU devices first.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxaccum import _hlo
+from jaxaccum import parallel
+from jaxaccum.planner import compiled_memory_bytes
+from jaxaccum.train_step import make_train_step
+
+
+def _params(key, width, depth):
+  keys = jax.random.split(key, depth)
+  return [{"w": jax.random.normal(k, (width, width), jnp.float32) / np.sqrt(width),
+           "b": jnp.zeros((width,), jnp.float32)} for k in keys]
+
+
+def _loss(params, batch):
+  x, y = batch
+  for layer in params[:-1]:
+    x = jnp.tanh(x @ layer["w"] + layer["b"])
+  return jnp.mean((x @ params[-1]["w"] + params[-1]["b"] - y) ** 2)
+
+
+def _batch(key, rows, width):
+  kx, ky = jax.random.split(key)
+  return jax.random.normal(kx, (rows, width), jnp.float32), jax.random.normal(ky, (rows, width), jnp.float32)
+
+
+def _bytes(tree):
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _medians(runners: dict, repeats: int) -> dict:
+  """Two warm-up calls each, then `repeats` interleaved rounds; median seconds per call."""
+  for run in runners.values():
+    run()
+    run()
+  times = {name: [] for name in runners}
+  for _ in range(repeats):
+    for name, run in runners.items():
+      start = time.perf_counter()
+      run()
+      times[name].append(time.perf_counter() - start)
+  return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def _memory_case(width, depth, rows, k):
+  params = _params(jax.random.PRNGKey(0), width, depth)
+  opt = optax.adam(1e-3)
+  state = opt.init(params)
+  # Shapes only: memory analysis needs no data, so big batches cost a compile, not a run.
+  spec = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+  batch = (jax.ShapeDtypeStruct((rows, width), jnp.float32),) * 2
+  micro = (jax.ShapeDtypeStruct((rows // k, width), jnp.float32),) * 2
+
+  def total(kk, b):
+    step = make_train_step(_loss, opt, num_microbatches=kk)
+    return compiled_memory_bytes(step.lower(spec(params), spec(state), b).compile())
+
+  full, mb, one = total(1, batch), total(k, batch), total(1, micro)
+  floor = one + _bytes(params) + 2 * rows * width * 4 - 2 * (rows // k) * width * 4
+  return {"width": width, "depth": depth, "batch": rows, "k": k, "params_bytes": _bytes(params),
+          "full_batch_bytes": full, "microbatch_bytes": mb, "one_microbatch_plus_acc_plus_rest_bytes": floor,
+          "ratio_vs_full": mb / full, "ratio_vs_floor": mb / floor}
+
+
+def _memory(quick):
+  width, depth, k = (256, 4, 16) if quick else (1024, 8, 16)
+  cases = [_memory_case(width, depth, rows, k) for rows in ((64, 1024) if quick else (256, 4096))]
+  md = [f"MLP {depth} x {width}, adam, float32, K={k}; per-device bytes from XLA's memory analysis "
+        "(arguments + outputs - aliases + temp), params and state donated. Params: "
+        f"{cases[0]['params_bytes'] / 2**20:.0f} MiB (adam state 2x that).", "",
+        "| B | full batch MiB | microbatch K MiB | one microbatch + acc + rest MiB | vs full | vs floor |",
+        "|---:|---:|---:|---:|---:|---:|"]
+  for c in cases:
+    md.append(f"| {c['batch']} | {c['full_batch_bytes'] / 2**20:.1f} | {c['microbatch_bytes'] / 2**20:.1f} | "
+              f"{c['one_microbatch_plus_acc_plus_rest_bytes'] / 2**20:.1f} | {c['ratio_vs_full']:.2f}x | "
+              f"{c['ratio_vs_floor']:.2f}x |")
+  return {"title": "microbatch: compiled memory", "markdown": "\n".join(md),
+          "data": {f"B={c['batch']}": c for c in cases}}
+
+
+def _time(quick):
+  width, depth, rows, k = (128, 4, 128, 16) if quick else (512, 4, 128, 16)
+  repeats = 3 if quick else 15
+  params = _params(jax.random.PRNGKey(0), width, depth)
+  opt = optax.adam(1e-3)
+  batch = _batch(jax.random.PRNGKey(1), rows, width)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def optax_step(params, state, batch):
+    grad_fn = optax.microbatching.microbatch(
+        jax.value_and_grad(_loss), argnums=1, microbatch_size=rows // k,
+        accumulator=optax.microbatching.AccumulationType.MEAN)
+    _, grads = grad_fn(params, batch)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def scan_step(params, state, batch):
+    # The hand-written floor: contiguous microbatches, sum of grads in a scan.
+    mbs = jax.tree.map(lambda x: x.reshape(k, rows // k, *x.shape[1:]), batch)
+    def body(acc, mb):
+      return jax.tree.map(jnp.add, acc, jax.grad(_loss)(params, mb)), None
+    grads, _ = lax.scan(body, jax.tree.map(jnp.zeros_like, params), mbs)
+    updates, state = opt.update(jax.tree.map(lambda g: g / k, grads), state, params)
+    return optax.apply_updates(params, updates), state
+
+  def runner(step):
+    carry = [jax.tree.map(jnp.copy, params), opt.init(params)]
+
+    def run():
+      carry[0], carry[1], *_ = step(carry[0], carry[1], batch)
+      jax.block_until_ready(carry)
+    return run
+
+  times = _medians({
+      "full batch (K=1)": runner(make_train_step(_loss, opt)),
+      f"ja.make_train_step K={k}": runner(make_train_step(_loss, opt, num_microbatches=k)),
+      f"optax.microbatching.microbatch K={k}": runner(optax_step),
+      f"hand-written lax.scan K={k}": runner(scan_step),
+  }, repeats)
+  base = times["full batch (K=1)"]
+  md = "\n".join(
+      [f"MLP {depth} x {width}, adam, float32, B={rows}; one jitted, donated step; median of {repeats} "
+       "interleaved repeats.", "", "| step | ms / step | vs full batch |", "|---|---:|---:|"]
+      + [f"| {n} | {t * 1e3:.2f} | {t / base:.2f}x |" for n, t in times.items()])
+  return {"title": "microbatch: time per step", "markdown": md,
+          "data": {"width": width, "depth": depth, "batch": rows, "k": k, "seconds": times,
+                   "ratio_vs_full": {n: t / base for n, t in times.items()}}}
+
+
+def _per_update(hlo, calls_per_update=1, k=1):
+  where = _hlo.locate(hlo, "all-reduce")
+  return calls_per_update * (where["top"] + where["branch"]) + k * where["loop"] * calls_per_update
+
+
+def _all_reduces(quick):
+  width, depth, k = (32, 2, 16) if quick else (128, 4, 16)
+  n = jax.device_count()
+  rows = n * k * 2
+  params = _params(jax.random.PRNGKey(0), width, depth)
+  opt = optax.adam(1e-3)
+  batch = _batch(jax.random.PRNGKey(1), rows, width)
+  mesh = parallel.data_mesh()
+  args = (parallel.replicate(params, mesh), parallel.replicate(opt.init(params), mesh),
+          parallel.shard_batch(batch, mesh))
+  counts = {}
+  counts["ja.make_train_step"] = _per_update(
+      make_train_step(_loss, opt, num_microbatches=k, mesh=mesh).lower(*args).compile().as_text())
+
+  # pmap + pmean + MultiSteps: one micro-step per call, K calls per update.
+  ms = optax.MultiSteps(optax.chain(parallel.pmean("data"), opt), k)
+
+  def micro_step(params, state, batch):
+    grads = jax.grad(_loss)(params, batch)
+    updates, state = ms.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  rep = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + x.shape), t)
+  pm = jax.pmap(micro_step, axis_name="data")
+  micro = jax.tree.map(lambda x: x[: n * 2].reshape(n, 2, width), batch)
+  counts["optax.MultiSteps + pmean (pmap)"] = _per_update(
+      pm.lower(rep(params), rep(ms.init(params)), micro).compile().as_text(), calls_per_update=k)
+
+  @jax.jit
+  def scan_step(params, state, batch):
+    def body(acc, i):
+      mb = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:])[:, i], batch)
+      return jax.tree.map(jnp.add, acc, jax.grad(_loss)(params, mb)), None
+    grads, _ = lax.scan(body, jax.tree.map(jnp.zeros_like, params), jnp.arange(k))
+    updates, state = opt.update(jax.tree.map(lambda g: g / k, grads), state, params)
+    return optax.apply_updates(params, updates), state
+
+  counts["jit + sharded batch + scan"] = _per_update(scan_step.lower(*args).compile().as_text(), k=k)
+  md = "\n".join(
+      [f"{n} devices, K={k}, adam; all-reduce instructions executed per update, counted in the compiled "
+       "HLO (inside a loop: x K; MultiSteps: x K calls).", "", "| pattern | all-reduces / update |", "|---|---:|"]
+      + [f"| {name} | {c} |" for name, c in counts.items()])
+  return {"title": "make_train_step: all-reduces per update", "markdown": md,
+          "data": {"devices": n, "k": k, "all_reduces_per_update": counts}}
+
+
+def run(quick: bool = False) -> list[dict]:
+  return [_memory(quick), _time(quick), _all_reduces(quick)]

@@ -1,0 +1,124 @@
+"""plan_microbatches(): the smallest number of microbatches whose compiled step fits in memory.
+
+XLA reports, for a compiled executable, the bytes of its arguments, outputs,
+aliased (donated) buffers and temporaries. A step's footprint on one device is
+
+  total = arguments + outputs - aliases + temp,
+
+which is known after compilation, before anything runs: no out-of-memory crash
+is needed to find K. Microbatching trades K sequential steps for activations
+(temp) K times smaller, so the smallest K that fits is the fastest that fits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxaccum import _tree
+
+
+class MicrobatchPlan(int):
+  """The chosen K, an `int`, carrying the compiled totals that led to it.
+
+  Attributes:
+    totals: {K: total bytes} for every candidate compiled, in the order tried
+      (ascending K, stopping at the first that fits).
+    memory_bytes: the total of the chosen K.
+    budget_bytes: the budget it was chosen for.
+  """
+
+  totals: dict
+  memory_bytes: int
+  budget_bytes: int
+
+  def __new__(cls, k: int, totals: dict, budget: int):
+    self = super().__new__(cls, k)
+    self.totals = dict(totals)
+    self.memory_bytes = totals[k]
+    self.budget_bytes = budget
+    return self
+
+  def __repr__(self):
+    return f"MicrobatchPlan({int(self)}, memory_bytes={self.memory_bytes}, totals={self.totals})"
+
+
+def compiled_memory_bytes(compiled) -> int:
+  """arguments + outputs - aliases + temp bytes of a `jax.stages.Compiled` (per device)."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    raise RuntimeError("this backend reports no compiled memory analysis")
+  return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_microbatches(
+    step_fn: Callable[[int], Any],
+    *example_args: Any,
+    memory_budget_bytes: int,
+    candidates: Sequence[int] | None = None,
+    batch_argnum: int = 2,
+) -> MicrobatchPlan:
+  """Compiles the step for candidate K and returns the smallest K whose footprint fits the budget.
+
+  Contract: `step_fn` is a factory, `step_fn(K)` returning the step for K
+  microbatches, a `jax.jit`-wrapped function (donating what it means to
+  donate; a plain function is wrapped in `jax.jit`), e.g.
+  `lambda k: ja.make_train_step(loss_fn, opt, num_microbatches=k, mesh=mesh)`.
+  It is lowered with `example_args` (arrays or `jax.ShapeDtypeStruct`s, with
+  the shardings the real call will have) and compiled; nothing runs.
+
+  Args:
+    step_fn: the factory `K -> jitted step`.
+    *example_args: the step's positional arguments.
+    memory_budget_bytes: bytes available per device (e.g. a fraction of
+      `jax.devices()[0].memory_stats()["bytes_limit"]` on GPU/TPU).
+    candidates: Ks to try, default the divisors of the leading size of the
+      batch, `example_args[batch_argnum]`. Tried in ascending order; compiling
+      stops at the first that fits.
+    batch_argnum: which example argument is the batch (default 2, the
+      `make_train_step` convention `step(params, opt_state, batch[, key])`);
+      only used to derive the default candidates.
+
+  Returns:
+    A `MicrobatchPlan`: an int K, with `.totals` ({K: bytes} of every
+    candidate compiled) and `.memory_bytes`.
+
+  Raises:
+    ValueError: when no candidate fits, naming the smallest total found.
+  """
+  if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, (int, float)) \
+      or memory_budget_bytes <= 0:
+    raise ValueError(f"{memory_budget_bytes=} must be a positive number of bytes")
+  if candidates is None:
+    if not -len(example_args) <= batch_argnum < len(example_args):
+      raise ValueError(f"{batch_argnum=} is out of range for {len(example_args)} example arguments")
+    # getattr: example leaves may be jax.ShapeDtypeStructs, which np.shape does not see through.
+    shapes = [getattr(x, "shape", None) or jnp.shape(x) for x in jax.tree.leaves(example_args[batch_argnum])]
+    shapes = [s for s in shapes if len(s)]
+    if not shapes:
+      raise ValueError(f"example_args[{batch_argnum}] holds no array with a batch axis")
+    candidates = _divisors(shapes[0][0])
+  else:
+    candidates = sorted({_tree.check_positive_int(k, "candidates") for k in candidates})
+    if not candidates:
+      raise ValueError(f"{candidates=} must name at least one K")
+
+  totals: dict[int, int] = {}
+  for k in candidates:
+    step = step_fn(k)
+    if not hasattr(step, "lower"):
+      step = jax.jit(step)
+    totals[k] = compiled_memory_bytes(step.lower(*example_args).compile())
+    if totals[k] <= memory_budget_bytes:
+      return MicrobatchPlan(k, totals, memory_budget_bytes)
+  best = min(totals, key=totals.get)
+  raise ValueError(
+      f"no num_microbatches in {list(candidates)} fits {memory_budget_bytes=}: the smallest "
+      f"compiled total is {totals[best]} bytes (K={best}); totals by K: {totals}")

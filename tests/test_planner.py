@@ -1,0 +1,46 @@
+"""plan_microbatches(): the smallest K whose compiled footprint fits, from XLA's memory analysis."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxaccum as ja
+from conftest import mlp_init, mse_loss, regression_data
+
+
+def setup():
+  """A step whose activations dominate: batch 256, width 64, so temp memory shrinks with K."""
+  params = mlp_init(jax.random.PRNGKey(0), (16, 64, 64, 2))
+  data = regression_data(jax.random.PRNGKey(1), 256, d_in=16)
+  opt = optax.sgd(0.1)
+  factory = lambda k: ja.make_train_step(mse_loss, opt, num_microbatches=k)
+  return factory, (params, opt.init(params), data)
+
+
+def total_bytes(jitted, *args):
+  m = jitted.lower(*args).compile().memory_analysis()
+  return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+
+
+def test_picks_smallest_k_that_fits():
+  factory, args = setup()
+  t1, t2, t4 = (total_bytes(factory(k), *args) for k in (1, 2, 4))
+  assert t1 > t2 > t4  # microbatching shrinks the footprint (else the test means nothing)
+  # A budget between K=2 and K=4: default candidates (divisors of 256) tried in order.
+  plan = ja.plan_microbatches(factory, *args, memory_budget_bytes=(t2 + t4) // 2)
+  assert plan == 4 and isinstance(plan, int)
+  assert plan.totals == {1: t1, 2: t2, 4: t4}  # stopped at the first fit
+  assert plan.memory_bytes == t4
+  assert ja.plan_microbatches(factory, *args, memory_budget_bytes=t1, candidates=(4, 1)) == 1
+
+
+def test_nothing_fits_names_smallest_total():
+  factory, args = setup()
+  t = total_bytes(factory(8), *args)
+  with pytest.raises(ValueError, match=f"smallest compiled total is {t} bytes \\(K=8\\)"):
+    ja.plan_microbatches(factory, *args, memory_budget_bytes=100, candidates=[2, 8])
+  with pytest.raises(ValueError, match="memory_budget_bytes=0"):
+    ja.plan_microbatches(factory, *args, memory_budget_bytes=0)
+  with pytest.raises(ValueError, match="candidates=0"):
+    ja.plan_microbatches(factory, *args, memory_budget_bytes=1, candidates=[0])

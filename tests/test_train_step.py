@@ -1,0 +1,231 @@
+"""make_train_step(): parity with plainly written full-batch adam/sgd, one all-reduce per step, BatchNorm."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import jaxaccum as ja
+from jaxaccum import _hlo
+from conftest import mlp_apply, mlp_init, mse_loss, regression_data
+
+RTOL = 1e-12
+
+
+def plain_adam(loss_fn, params, batch, steps, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8):
+  """Adam written out (Kingma & Ba 2015, eps outside the sqrt as optax), on the full batch."""
+  m = jax.tree.map(jnp.zeros_like, params)
+  v = jax.tree.map(jnp.zeros_like, params)
+  losses = []
+  for t in range(1, steps + 1):
+    loss, g = jax.value_and_grad(loss_fn)(params, batch)
+    losses.append(loss)
+    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
+    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
+    params = jax.tree.map(
+        lambda p, m, v: p - lr * (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps), params, m, v)
+  return params, jnp.stack(losses)
+
+
+def fresh(tree):
+  """Host copies: replicate() may alias its input, and the step donates."""
+  return jax.tree.map(np.array, tree)
+
+
+@pytest.mark.parametrize("devices,k", [(None, 4), (8, 1), (8, 3), (5, 2)])
+def test_adam_equals_full_batch(problem, devices, k):
+  params, loss_fn, data = problem  # 120 rows
+  opt = optax.adam(1e-2)
+  expected_params, expected_losses = plain_adam(loss_fn, params, data, steps=3)
+  mesh = None if devices is None else ja.data_mesh(devices=jax.devices()[:devices])
+  step = ja.make_train_step(loss_fn, opt, num_microbatches=k, mesh=mesh)
+  p, s = fresh(params), fresh(opt.init(params))
+  batch = data
+  if mesh is not None:
+    p, s, batch = ja.replicate(p, mesh), ja.replicate(s, mesh), ja.shard_batch(data, mesh)
+  losses = []
+  for _ in range(3):
+    p, s, metrics = step(p, s, batch)
+    losses.append(metrics["loss"])
+  chex.assert_trees_all_close(p, expected_params, rtol=RTOL, atol=1e-15)
+  chex.assert_trees_all_close(jnp.stack(losses), expected_losses, rtol=RTOL, atol=0)
+
+
+def aux_masked_loss(params, batch):
+  err = jnp.sum((mlp_apply(params, batch["x"]) - batch["y"]) ** 2, axis=-1)
+  n = jnp.sum(batch["mask"])
+  return jnp.sum(batch["mask"] * err) / n, {"err_max_mean": jnp.max(err * batch["mask"]), "n": n}
+
+
+def test_weighted_aux_metrics_on_mesh(problem):
+  """Masked rows unevenly spread over devices: the global masked mean, aux as the weighted mean."""
+  params, _, (x, y) = problem
+  mask = np.ones(x.shape[0])
+  mask[:10] = 0.0  # device 0 (rows 0-14) keeps 5 real rows
+  batch = {"x": x, "y": y, "mask": mask}
+  real = mask == 1
+  loss, grads = jax.value_and_grad(mse_loss)(params, (x[real], y[real]))
+  mesh = ja.data_mesh()
+  opt = optax.sgd(0.1)
+  step = ja.make_train_step(aux_masked_loss, opt, num_microbatches=3, mesh=mesh, has_aux=True,
+                            weight_fn=lambda b: jnp.sum(b["mask"]), donate=False)
+  new_params, _, metrics = step(ja.replicate(params, mesh), ja.replicate(opt.init(params), mesh),
+                                ja.shard_batch(batch, mesh))
+  chex.assert_trees_all_close(new_params, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), rtol=RTOL)
+  np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+  # aux "n" (real rows per microbatch) averaged with weights n: sum n^2 / sum n.
+  groups = mask.reshape(8, 5, 3).sum(axis=1).ravel()  # device p, microbatch i = local rows i::3
+  np.testing.assert_allclose(metrics["aux"]["n"], np.sum(groups**2) / np.sum(groups), rtol=RTOL)
+
+
+@pytest.mark.parametrize("devices", [None, 4])
+def test_key_per_device_and_microbatch(problem, devices):
+  """loss_fn gets fold_in(fold_in(key, device), i): the mean of the draws shows exactly which keys."""
+  params, _, data = problem
+  key, k = jax.random.PRNGKey(3), 2
+
+  def loss_fn(p, batch, key):
+    return mse_loss(p, batch), jax.random.uniform(key, ())
+
+  mesh = None if devices is None else ja.data_mesh(devices=jax.devices()[:devices])
+  opt = optax.sgd(0.1)
+  step = ja.make_train_step(loss_fn, opt, num_microbatches=k, mesh=mesh, has_aux=True, donate=False)
+  _, _, metrics = step(params, opt.init(params), data, key)
+  draws = [float(jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, d), i), ()))
+           for d in range(devices or 1) for i in range(k)]
+  np.testing.assert_allclose(metrics["aux"], np.mean(draws), rtol=RTOL)
+  np.testing.assert_allclose(metrics["loss"], mse_loss(params, data), rtol=RTOL)
+
+
+def loss_for_hlo(params, batch):
+  return mse_loss(params, batch)
+
+
+def test_one_all_reduce_per_step_whatever_k():
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  data = regression_data(jax.random.PRNGKey(1), 128)
+  mesh = ja.data_mesh()
+  opt = optax.adam(1e-3)
+  args = (ja.replicate(fresh(params), mesh), ja.replicate(fresh(opt.init(params)), mesh), ja.shard_batch(data, mesh))
+  for k in (1, 8):
+    hlo = ja.make_train_step(loss_for_hlo, opt, num_microbatches=k, mesh=mesh).lower(*args).compile().as_text()
+    assert _hlo.locate(hlo, "all-reduce") == {"top": 1}, k
+    for op in ("all-to-all", "collective-permute", "all-gather"):
+      assert _hlo.count(hlo, op) == 0, (k, op)
+
+  # The plain pattern: jit with a sharded batch and a scan over microbatches. XLA all-reduces
+  # the gradient inside the loop (K per update); the same counter sees it.
+  k = 8
+
+  @jax.jit
+  def plain_step(params, opt_state, batch):
+    def body(acc, i):
+      mb = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:])[:, i], batch)
+      return jax.tree.map(jnp.add, acc, jax.grad(loss_for_hlo)(params, mb)), None
+    grads, _ = lax.scan(body, jax.tree.map(jnp.zeros_like, params), jnp.arange(k))
+    updates, opt_state = opt.update(jax.tree.map(lambda g: g / k, grads), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  assert _hlo.locate(plain_step.lower(*args).compile().as_text(), "all-reduce")["loop"] >= 1
+
+
+def test_tf_seed_trajectory_over_5_devices():
+  """TF seed: y = x^2 on 50 points in [-2, 2], 1-5-1 tanh net, GD lr=1e-2, 5 devices == 1 process."""
+  x = np.linspace(-2.0, 2.0, 50)[:, None]
+  data = (x, x**2)
+  params = mlp_init(jax.random.PRNGKey(42), (1, 5, 1))
+  lr, steps = 1e-2, 15
+  grad = jax.jit(jax.value_and_grad(mse_loss))
+  expected, p = [], params
+  for _ in range(steps):
+    loss, g = grad(p, data)
+    p = jax.tree.map(lambda p, g: p - lr * g, p, g)
+    expected.append((loss, p))
+  mesh = ja.data_mesh(devices=jax.devices()[:5])
+  opt = optax.sgd(lr)
+  step = ja.make_train_step(mse_loss, opt, num_microbatches=2, mesh=mesh)
+  p, s, batch = ja.replicate(fresh(params), mesh), ja.replicate(fresh(opt.init(params)), mesh), ja.shard_batch(data, mesh)
+  for loss, p_expected in expected:
+    p, s, metrics = step(p, s, batch)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
+    chex.assert_trees_all_close(p, p_expected, rtol=RTOL, atol=1e-15)
+  assert expected[-1][0] < expected[0][0]  # it trains
+
+
+def test_donation(problem):
+  params, loss_fn, data = problem
+  opt = optax.sgd(0.1)
+  p = jax.tree.map(jnp.array, params)
+  ja.make_train_step(loss_fn, opt, num_microbatches=2)(p, opt.init(p), data)
+  assert all(x.is_deleted() for x in jax.tree.leaves(p))
+  p = jax.tree.map(jnp.array, params)
+  ja.make_train_step(loss_fn, opt, num_microbatches=2, donate=False)(p, opt.init(p), data)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(p))
+
+
+def test_bad_input(problem):
+  params, loss_fn, data = problem
+  opt = optax.sgd(0.1)
+  mesh = ja.data_mesh("batch")
+  with pytest.raises(ValueError, match="data_axis='data'"):
+    ja.make_train_step(loss_fn, opt, mesh=mesh)
+  with pytest.raises(ValueError, match="num_microbatches=0"):
+    ja.make_train_step(loss_fn, opt, num_microbatches=0)
+  with pytest.raises(TypeError, match="num_microbatches="):
+    ja.make_train_step(loss_fn, opt, num_microbatches=2.0)
+  step = ja.make_train_step(loss_fn, opt, num_microbatches=4, mesh=mesh, data_axis="batch")
+  with pytest.raises(ValueError, match=r"120.*8 devices.*num_microbatches=4"):
+    step(params, opt.init(params), data)
+
+
+# --------------------------------------------------------------------------- BatchNorm
+
+
+class BNNet(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool = True):
+    h = nn.Dense(4, name="dense0")(x)
+    h = nn.BatchNorm(use_running_average=not train, momentum=0.9, name="bn")(h)
+    return nn.Dense(1, name="dense1")(jnp.tanh(h))
+
+
+def test_batchnorm_stats_through_train_step():
+  """batch_stats come back averaged over the P*K microbatches: mean exact, variance short by var(means)."""
+  model = BNNet()
+  x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (64, 3))) * np.linspace(0.5, 2.0, 64)[:, None] \
+      + np.linspace(-1.0, 1.0, 64)[:, None]  # rows drift, so microbatch means differ
+  y = np.sin(x[:, :1])
+  variables = model.init(jax.random.PRNGKey(1), x[:2])
+  old = variables["batch_stats"]["bn"]
+
+  def loss_fn(variables, batch):
+    pred, new_state = model.apply(variables, batch[0], mutable=["batch_stats"])
+    return jnp.mean((pred - batch[1]) ** 2), new_state["batch_stats"]
+
+  devices, k = 4, 2
+  mesh = ja.data_mesh(devices=jax.devices()[:devices])
+  opt = optax.sgd(0.1)
+  step = ja.make_train_step(loss_fn, opt, num_microbatches=k, mesh=mesh, has_aux=True, donate=False)
+  _, _, metrics = step(ja.replicate(variables, mesh), ja.replicate(opt.init(variables), mesh),
+                       ja.shard_batch((x, y), mesh))
+  stats = metrics["aux"]["bn"]
+
+  # Independent: pre-BN activations in numpy; groups are device p's local rows i::k.
+  d = variables["params"]["dense0"]
+  h = x @ np.asarray(d["kernel"]) + np.asarray(d["bias"])
+  local = h.reshape(devices, -1, 4)
+  groups = np.concatenate([local[:, i::k] for i in range(k)])  # (P*K, rows, 4)
+  group_means = groups.mean(axis=1)
+  group_vars = groups.var(axis=1)
+  full_mean, full_var = h.mean(axis=0), h.var(axis=0)
+  var_of_means = group_means.var(axis=0)
+  np.testing.assert_allclose(group_means.mean(axis=0), full_mean, rtol=1e-12)  # the identity itself
+  np.testing.assert_allclose(group_vars.mean(axis=0), full_var - var_of_means, rtol=1e-12)
+  assert np.all(var_of_means > 1e-3 * full_var)  # the gap is real, so the next check can fail
+  np.testing.assert_allclose(stats["mean"], 0.9 * np.asarray(old["mean"]) + 0.1 * full_mean, rtol=1e-12)
+  np.testing.assert_allclose(stats["var"], 0.9 * np.asarray(old["var"]) + 0.1 * (full_var - var_of_means),
+                             rtol=1e-12)
