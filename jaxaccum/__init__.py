@@ -15,5 +15,7 @@ from jaxaccum.parallel import shard_batch
 from jaxaccum.planner import plan_microbatches
 from jaxaccum.train_step import make_train_step
 from jaxaccum import schedules
+from jaxaccum import flax
+from jaxaccum import checkpoint
 
 __version__ = "0.1.0"

@@ -1,0 +1,181 @@
+"""ja.checkpoint: save mid-window, restore, continue == never interrupted, bit for bit."""
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxaccum as ja
+from conftest import mlp_apply, mlp_init, mse_loss, regression_data
+
+K = 3
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def batches(n=7, rows=4):
+  x, y = regression_data(jax.random.PRNGKey(1), n * rows)
+  return [(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows]) for i in range(n)]
+
+
+@jax.jit
+def tx_step(params, state, batch):
+  tx = ja.accumulate(optax.adam(0.05), K)
+  updates, state = tx.update(jax.grad(mse_loss)(params, batch), state, params, weight=2.0)
+  return optax.apply_updates(params, updates), state
+
+
+def test_resume_params_and_accumulate_state_in_a_fresh_process(tmp_path):
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  data = batches()
+  state = ja.accumulate(optax.adam(0.05), K).init(params)
+  uninterrupted = (params, state)
+  for batch in data:
+    uninterrupted = tx_step(*uninterrupted, batch)
+
+  carry = (params, state)
+  for batch in data[:4]:
+    carry = tx_step(*carry, batch)
+  assert int(carry[1].micro_step) == 1  # mid-window: the partial sum must survive
+  ja.checkpoint.save(tmp_path / "mid", carry)
+
+  script = textwrap.dedent(f"""
+      import sys
+      sys.path.insert(0, {TESTS_DIR!r})
+      import conftest  # float64, as in the parent
+      import jax, optax
+      import jaxaccum as ja
+      import test_checkpoint as t
+      params = conftest.mlp_init(jax.random.PRNGKey(1234), (3, 8, 2))  # other values: restore must overwrite
+      like = (params, ja.accumulate(optax.adam(0.05), t.K).init(params))
+      carry = ja.checkpoint.restore({str(tmp_path / "mid")!r}, like)
+      assert int(carry[1].micro_step) == 1
+      for batch in t.batches()[4:]:
+        carry = t.tx_step(*carry, batch)
+      ja.checkpoint.save({str(tmp_path / "end")!r}, carry)
+  """)
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  resumed = ja.checkpoint.restore(tmp_path / "end", uninterrupted)
+  assert isinstance(resumed[1], ja.AccumulateState)
+  chex.assert_trees_all_equal(resumed, uninterrupted)
+
+
+def test_resume_linen_trainstate(tmp_path):
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  create = lambda p: ja.flax.TrainState.create(apply_fn=mlp_apply, params=p, tx=ja.accumulate(optax.adam(0.05), K),
+                                               batch_stats={"mean": jnp.zeros(3)})
+
+  @jax.jit
+  def step(state, batch):
+    stats = {"mean": 0.9 * state.batch_stats["mean"] + 0.1 * batch[0].mean(0)}  # stands in for BatchNorm
+    return state.apply_gradients(grads=jax.grad(mse_loss)(state.params, batch), batch_stats=stats, weight=3.0)
+
+  data = batches()
+  uninterrupted = create(params)
+  for batch in data:
+    uninterrupted = step(uninterrupted, batch)
+  state = create(params)
+  for batch in data[:5]:
+    state = step(state, batch)
+  assert int(state.step) == 1 and int(state.micro_step) == 2
+  ja.checkpoint.save(tmp_path / "ts", state)
+  state = ja.checkpoint.restore(tmp_path / "ts", create(mlp_init(jax.random.PRNGKey(5), (3, 8, 2))))
+  assert isinstance(state, ja.flax.TrainState) and state.apply_fn is mlp_apply
+  assert int(state.step) == 1 and int(state.micro_step) == 2
+  for batch in data[5:]:
+    state = step(state, batch)
+  assert int(state.step) == 2
+  # The static tx is a new closure per create(); every array must match.
+  chex.assert_trees_all_equal(state.replace(tx=uninterrupted.tx), uninterrupted)
+
+
+class Net(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(3, 8, use_bias=False, param_dtype=jnp.float64, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, param_dtype=jnp.float64, rngs=rngs)
+    self.bn.mean = nnx.BatchStat(jnp.zeros(8, jnp.float64))  # nnx creates them in float32
+    self.bn.var = nnx.BatchStat(jnp.ones(8, jnp.float64))
+    self.l2 = nnx.Linear(8, 2, param_dtype=jnp.float64, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(jnp.tanh(self.bn(self.l1(x))))
+
+
+def test_resume_nnx_state(tmp_path):
+  def make(seed):
+    model = Net(nnx.Rngs(seed))
+    return model, ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.adam(0.05), K), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, batch):
+    x, y = batch
+    grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+
+  data = batches()
+  model, optimizer = make(0)
+  for batch in data:
+    step(model, optimizer, batch)
+  uninterrupted = nnx.as_pure(nnx.state((model, optimizer)))
+
+  model, optimizer = make(0)
+  for batch in data[:4]:
+    step(model, optimizer, batch)
+  ja.checkpoint.save(tmp_path / "nnx", nnx.state((model, optimizer)))
+  model, optimizer = make(9)  # other values: the restore must put them back
+  restored = ja.checkpoint.restore(tmp_path / "nnx", nnx.state((model, optimizer)))
+  nnx.update((model, optimizer), restored)
+  assert int(optimizer.step[...]) == 1 and int(optimizer.micro_step) == 1
+  for batch in data[4:]:
+    step(model, optimizer, batch)
+  assert int(optimizer.step[...]) == 2
+  chex.assert_trees_all_equal(nnx.as_pure(nnx.state((model, optimizer))), uninterrupted)
+
+
+def _digest(directory):
+  out = {}
+  for root, _, files in os.walk(directory):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, directory)] = (hashlib.sha256(f.read()).hexdigest(), os.stat(path).st_mtime_ns)
+  return out
+
+
+def test_mismatched_tree_is_a_clear_error_and_leaves_the_files(tmp_path):
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  state = ja.accumulate(optax.sgd(0.1), K).init(params)
+  path = tmp_path / "ck"
+  ja.checkpoint.save(path, (params, state))
+  before = _digest(path)
+  assert before
+
+  wider = mlp_init(jax.random.PRNGKey(0), (3, 9, 2))
+  with pytest.raises(ValueError, match=r"'0/0/b'.*float64\[8\].*float64\[9\]"):
+    ja.checkpoint.restore(path, (wider, ja.accumulate(optax.sgd(0.1), K).init(wider)))
+  with pytest.raises(ValueError, match=r"like has a leaf at 'extra'"):
+    ja.checkpoint.restore(path, {"extra": jnp.zeros(2), "0": params, "1": state})
+  with pytest.raises(ValueError, match=r"'1/inner_state/0/trace/0/b'"):
+    ja.checkpoint.restore(path, (params, ja.accumulate(optax.sgd(0.1, momentum=0.9), K).init(params)))
+  as_f32 = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == jnp.float64 else x, (params, state))
+  with pytest.raises(ValueError, match="float64.*float32"):
+    ja.checkpoint.restore(path, as_f32)
+  assert _digest(path) == before
+
+  with pytest.raises(FileExistsError, match="overwrite"):
+    ja.checkpoint.save(path, (params, state))
+  with pytest.raises(FileNotFoundError):
+    ja.checkpoint.restore(tmp_path / "nothing", params)
+  assert _digest(path) == before
+  restored = ja.checkpoint.restore(path, (params, state))  # the checkpoint still reads
+  chex.assert_trees_all_equal(restored, (params, state))
+  np.testing.assert_array_equal(restored[1].micro_step, 0)

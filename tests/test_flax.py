@@ -1,0 +1,354 @@
+"""ja.flax: linen TrainState and nnx AccumulatingOptimizer against plain jax/optax references (float64)."""
+
+import functools
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state as flax_train_state
+
+import jaxaccum as ja
+from conftest import mlp_apply, mlp_init, mse_loss, regression_data
+
+RTOL = 1e-12
+SIZES = (3, 5, 4, 5, 3, 4)  # two windows of K=3, unequal microbatch sizes, weighted by size
+K = 3
+
+
+def microbatches(data, sizes=SIZES):
+  x, y = data
+  edges = np.cumsum([0] + list(sizes))
+  return [(x[a:b], y[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def union(batches):
+  return jax.tree.map(lambda *xs: jnp.concatenate(xs), *batches)
+
+
+def reference_run(opt, params, loss_fn, batches, k=K):
+  """One plain optax step per window, on the union of its microbatches."""
+  state = opt.init(params)
+  for start in range(0, len(batches), k):
+    grads = jax.grad(loss_fn)(params, union(batches[start:start + k]))
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+# --------------------------------------------------------------------------- linen
+
+
+def test_linen_trainstate_counts_updates_and_equals_large_batch():
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  batches = microbatches(regression_data(jax.random.PRNGKey(1), sum(SIZES)))
+  state = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.adam(0.05), K))
+
+  @jax.jit
+  def step(state, batch, weight):
+    return state.apply_gradients(grads=jax.grad(mse_loss)(state.params, batch), weight=weight)
+
+  seen = []
+  for i, batch in enumerate(batches):
+    before = state.params
+    state = step(state, batch, float(len(batch[0])))
+    seen.append((int(state.step), int(state.micro_step)))
+    if (i + 1) % K:
+      chex.assert_trees_all_equal(state.params, before)  # micro-step: parameters untouched
+    else:
+      assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before)))
+  assert seen == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0)]
+  expected = reference_run(optax.adam(0.05), params, mse_loss, batches)
+  chex.assert_trees_all_close(state.params, expected, rtol=RTOL, atol=0)
+
+
+def test_plain_flax_trainstate_with_multisteps_counts_micro_steps():
+  """The trap: flax's TrainState.step counts calls, so step-keyed schedules run K times too fast."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 4, 2))
+  batches = microbatches(regression_data(jax.random.PRNGKey(1), 24), (4,) * 6)
+  plain = flax_train_state.TrainState.create(apply_fn=mlp_apply, params=params, tx=optax.MultiSteps(optax.sgd(0.1), K))
+  ours = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.sgd(0.1), K))
+  step = jax.jit(lambda state, batch: state.apply_gradients(grads=jax.grad(mse_loss)(state.params, batch)))
+  for batch in batches:
+    plain, ours = step(plain, batch), step(ours, batch)
+  assert int(plain.step) == 6  # micro-steps
+  assert int(plain.opt_state.gradient_step) == 2  # the real count, buried in the optimizer state
+  assert int(ours.step) == 2 and int(ours.micro_step) == 0
+  # Same mean gradient for equal sizes: the parameters agree (to MultiSteps' float32
+  # accumulator), only the count differs.
+  chex.assert_trees_all_close(ours.params, plain.params, rtol=1e-6, atol=0)
+
+
+def test_linen_trainstate_with_plain_tx_behaves_like_flax():
+  params = mlp_init(jax.random.PRNGKey(0), (3, 4, 2))
+  batches = microbatches(regression_data(jax.random.PRNGKey(1), 12), (4,) * 3)
+  plain = flax_train_state.TrainState.create(apply_fn=mlp_apply, params=params, tx=optax.adam(0.1))
+  ours = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=optax.adam(0.1))
+  for batch in batches:
+    plain = plain.apply_gradients(grads=jax.grad(mse_loss)(plain.params, batch))
+    ours = ours.apply_gradients(grads=jax.grad(mse_loss)(ours.params, batch))
+  assert int(ours.step) == 3 and int(ours.micro_step) == 0
+  chex.assert_trees_all_close(ours.params, plain.params, rtol=RTOL, atol=0)
+
+
+class BNDropMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    # No bias before BatchNorm: its gradient is zero up to rounding, which adam would amplify.
+    x = nn.Dense(8, use_bias=False, param_dtype=jnp.float64)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.8, param_dtype=jnp.float64)(x)
+    x = nn.Dropout(0.3, deterministic=not train)(jnp.tanh(x))
+    return nn.Dense(2, param_dtype=jnp.float64)(x)
+
+
+def test_linen_batchnorm_and_dropout_under_jit():
+  model = BNDropMLP()
+  sizes = (4, 4, 4, 4)  # equal sizes: the running mean must equal the full batch's exactly
+  batches = microbatches(regression_data(jax.random.PRNGKey(1), sum(sizes)), sizes)
+  keys = [jax.random.fold_in(jax.random.PRNGKey(7), i) for i in range(len(batches))]
+  variables = model.init(jax.random.PRNGKey(0), batches[0][0], train=False)
+  # linen creates running statistics in float32: take them to float64 for the 1e-12 comparisons.
+  variables = {**variables, "batch_stats": jax.tree.map(lambda s: s.astype(jnp.float64), variables["batch_stats"])}
+  k, momentum = 2, 0.8
+
+  def loss_and_stats(params, stats, batch, key):
+    x, y = batch
+    out, new = model.apply({"params": params, "batch_stats": stats}, x, train=True,
+                           mutable=["batch_stats"], rngs={"dropout": key})
+    return jnp.mean(jnp.sum((out - y) ** 2, -1)), new["batch_stats"]
+
+  state = ja.flax.TrainState.create(apply_fn=model.apply, params=variables["params"],
+                                    tx=ja.accumulate(optax.adam(0.05), k), batch_stats=variables["batch_stats"])
+
+  @jax.jit
+  def step(state, batch, key, weight):
+    grads, stats = jax.grad(loss_and_stats, has_aux=True)(state.params, state.batch_stats, batch, key)
+    return state.apply_gradients(grads=grads, batch_stats=stats, weight=weight)
+
+  # Reference, written plainly: per window, grads and statistics of each microbatch from the
+  # window-start params/statistics with the same dropout keys, weighted means, one adam step.
+  ref_grad = jax.jit(jax.grad(loss_and_stats, has_aux=True))
+  opt = optax.adam(0.05)
+  ref_params, ref_stats, ref_opt = variables["params"], variables["batch_stats"], opt.init(variables["params"])
+  for w in range(len(batches) // k):
+    idx = range(w * k, (w + 1) * k)
+    outs = [ref_grad(ref_params, ref_stats, batches[i], keys[i]) for i in idx]
+    wts = [float(sizes[i]) for i in idx]
+    mean = lambda trees: jax.tree.map(lambda *xs: sum(wi * xi for wi, xi in zip(wts, xs)) / sum(wts), *trees)
+    updates, ref_opt = opt.update(mean([o[0] for o in outs]), ref_opt, ref_params)
+    ref_params, ref_stats = optax.apply_updates(ref_params, updates), mean([o[1] for o in outs])
+    start_stats = state.batch_stats
+    for j, i in enumerate(idx):
+      state = step(state, batches[i], keys[i], wts[j])
+      if j < k - 1:
+        chex.assert_trees_all_equal(state.batch_stats, start_stats)  # constant within the window
+    assert int(state.step) == w + 1 and int(state.micro_step) == 0
+    chex.assert_trees_all_close(state.params, ref_params, rtol=RTOL, atol=1e-15)
+    chex.assert_trees_all_close(state.batch_stats, ref_stats, rtol=RTOL, atol=1e-15)
+
+
+
+def test_linen_batchnorm_average_vs_full_batch_statistics():
+  """Equal sizes: running mean exact; running var smaller by (1 - m) * Var_i(mean_i)."""
+  bn = nn.BatchNorm(use_running_average=False, momentum=0.8, param_dtype=jnp.float64)
+  x = jax.random.normal(jax.random.PRNGKey(3), (12, 5)) * 2 + 1
+  v = bn.init(jax.random.PRNGKey(0), x)
+  v = {**v, "batch_stats": jax.tree.map(lambda s: s.astype(jnp.float64), v["batch_stats"])}
+  start = v["batch_stats"]
+  full = bn.apply(v, x, mutable=["batch_stats"])[1]["batch_stats"]
+  state = ja.flax.TrainState.create(apply_fn=bn.apply, params=v["params"], tx=ja.accumulate(optax.sgd(0.0), 3),
+                                    batch_stats=start)
+  parts = jnp.split(x, 3)
+  for part in parts:
+    stats = bn.apply({"params": state.params, "batch_stats": state.batch_stats}, part, mutable=["batch_stats"])[1]
+    state = state.apply_gradients(grads=jax.tree.map(jnp.zeros_like, state.params), batch_stats=stats["batch_stats"])
+  means = jnp.stack([p.mean(0) for p in parts])
+  np.testing.assert_allclose(state.batch_stats["mean"], full["mean"], rtol=RTOL)
+  np.testing.assert_allclose(state.batch_stats["var"], full["var"] - 0.2 * means.var(0), rtol=1e-11)
+
+
+def _param_copies(hlo_text: str) -> list[str]:
+  """Non-scalar copies, except of broadcasts (the zero updates that ja.accumulate emits on micro-steps)."""
+  out = []
+  for line in hlo_text.splitlines():
+    if " copy(" in line:
+      shape, operand = line.split("=", 1)[1].split(" copy(", 1)
+      if "[]" not in shape and "broadcast" not in operand:
+        out.append(line.strip())
+  return out
+
+
+def test_linen_donated_step_has_no_parameter_copies():
+  params = mlp_init(jax.random.PRNGKey(0), (16, 64, 64, 2), dtype=jnp.float32)
+  state = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.adam(1e-3), 4))
+  batch = (jnp.ones((8, 16), jnp.float32), jnp.ones((8, 2), jnp.float32))
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(state, batch):
+    return state.apply_gradients(grads=jax.grad(mse_loss)(state.params, batch))
+
+  hlo = step.lower(state, batch).compile().as_text()
+  assert "conditional" in hlo
+  assert _param_copies(hlo) == []
+  # Every parameter buffer is donated into an output (updated in place or passed through).
+  aliases = hlo.split("input_output_alias={", 1)[1].split("\n", 1)[0]
+  for i in range(len(jax.tree.leaves(params))):
+    assert f"({i}, {{}}, may-alias)" in aliases, i
+
+
+def test_linen_bad_input():
+  params = mlp_init(jax.random.PRNGKey(0), (3, 4, 2))
+  grads = jax.tree.map(jnp.ones_like, params)
+  state = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.sgd(0.1), 2))
+  with pytest.raises(ValueError, match="weight"):
+    state.apply_gradients(grads=grads, weight=0.0)
+  with pytest.raises(ValueError, match="weight"):
+    state.apply_gradients(grads=grads, weight=float("nan"))
+  with pytest.raises(ValueError, match="grads"):
+    state.apply_gradients(grads=grads[:1])
+  with pytest.raises(ValueError, match="batch_stats"):
+    state.apply_gradients(grads=grads, batch_stats={"mean": jnp.zeros(3)})
+  with_stats = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.sgd(0.1), 2),
+                                         batch_stats={"mean": jnp.zeros(3)})
+  with pytest.raises(ValueError, match="batch_stats"):
+    with_stats.apply_gradients(grads=grads, batch_stats={"mean": jnp.zeros(4)})
+  plain = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=optax.sgd(0.1))
+  with pytest.raises(TypeError, match="weight"):
+    plain.apply_gradients(grads=grads, weight=2.0)
+  with pytest.raises(TypeError, match="tx"):
+    ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=optax.sgd)
+
+
+# --------------------------------------------------------------------------- nnx
+
+
+class NNXModel(nnx.Module):
+  def __init__(self, rngs, *, batchnorm=False, dropout=0.0):
+    self.l1 = nnx.Linear(3, 8, use_bias=not batchnorm, param_dtype=jnp.float64, rngs=rngs)
+    self.bn = nnx.BatchNorm(8, momentum=0.8, param_dtype=jnp.float64, rngs=rngs) if batchnorm else None
+    if batchnorm:  # nnx creates running statistics in float32: float64 for the 1e-12 comparisons.
+      self.bn.mean = nnx.BatchStat(jnp.zeros(8, jnp.float64))
+      self.bn.var = nnx.BatchStat(jnp.ones(8, jnp.float64))
+    self.drop = nnx.Dropout(dropout, rngs=rngs) if dropout else None
+    self.l2 = nnx.Linear(8, 2, param_dtype=jnp.float64, rngs=rngs)
+
+  def __call__(self, x, key=None):
+    x = self.l1(x)
+    if self.bn is not None:
+      x = self.bn(x)
+    x = jnp.tanh(x)
+    if self.drop is not None:
+      x = self.drop(x, rngs=nnx.Rngs(dropout=key))
+    return self.l2(x)
+
+
+def nnx_loss(model, batch, key=None):
+  x, y = batch
+  return jnp.mean(jnp.sum((model(x, key) - y) ** 2, -1))
+
+
+def test_nnx_optimizer_counts_updates_and_equals_large_batch():
+  model = NNXModel(nnx.Rngs(0))
+  graphdef, params0 = nnx.split(model, nnx.Param)
+  params0 = nnx.as_pure(params0)  # a State holds the model's live Variables: take the arrays now
+  batches = microbatches(regression_data(jax.random.PRNGKey(1), sum(SIZES)))
+  optimizer = ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.adam(0.05), K), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, batch, weight):
+    optimizer.update(model, nnx.grad(nnx_loss)(model, batch), weight=weight)
+
+  seen = []
+  for i, batch in enumerate(batches):
+    before = nnx.as_pure(nnx.state(model, nnx.Param))
+    step(model, optimizer, batch, float(len(batch[0])))
+    seen.append((int(optimizer.step[...]), int(optimizer.micro_step)))
+    if (i + 1) % K:
+      chex.assert_trees_all_equal(nnx.as_pure(nnx.state(model, nnx.Param)), before)
+  assert seen == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0)]
+
+  # Reference: pure functions of the parameter arrays, jax.grad on the union, optax.
+  pure = lambda p, batch: nnx_loss(nnx.merge(graphdef, p), batch)
+  expected = reference_run(optax.adam(0.05), params0, pure, batches)
+  chex.assert_trees_all_close(nnx.as_pure(nnx.state(model, nnx.Param)), expected, rtol=RTOL, atol=0)
+
+
+def test_plain_nnx_optimizer_with_multisteps_counts_micro_steps():
+  model = NNXModel(nnx.Rngs(0))
+  plain = nnx.Optimizer(model, optax.MultiSteps(optax.sgd(0.1), K), wrt=nnx.Param)
+  ours = ja.flax.AccumulatingOptimizer(nnx.clone(model), ja.accumulate(optax.sgd(0.1), K), wrt=nnx.Param)
+  grads = nnx.grad(nnx_loss)(model, regression_data(jax.random.PRNGKey(1), 4))
+  step = nnx.jit(lambda optimizer, model: optimizer.update(model, grads))
+  ours_model = NNXModel(nnx.Rngs(0))
+  for _ in range(2 * K):
+    step(plain, model)
+    step(ours, ours_model)
+  assert int(plain.step[...]) == 2 * K
+  assert int(ours.step[...]) == 2 and int(ours.micro_step) == 0
+
+
+def test_nnx_batchnorm_and_dropout_under_jit():
+  k = 2
+  model = NNXModel(nnx.Rngs(0), batchnorm=True, dropout=0.3)
+  sizes = (4, 6, 6, 4)
+  batches = microbatches(regression_data(jax.random.PRNGKey(1), sum(sizes)), sizes)
+  keys = [jax.random.fold_in(jax.random.PRNGKey(7), i) for i in range(len(batches))]
+
+  # Reference first (from a copy): pure functions, one dropout key per microbatch.
+  graphdef, params, stats, rest = nnx.split(nnx.clone(model), nnx.Param, nnx.BatchStat, ...)
+  params, stats = nnx.as_pure(params), nnx.as_pure(stats)
+
+  def loss_and_stats(p, s, batch, key):
+    m = nnx.merge(graphdef, p, s, rest)
+    loss = nnx_loss(m, batch, key)
+    return loss, nnx.as_pure(nnx.state(m, nnx.BatchStat))
+
+  ref_grad = jax.jit(jax.grad(loss_and_stats, has_aux=True))
+  opt = optax.adam(0.05)
+  opt_state = opt.init(params)
+  expected = []
+  for w in range(len(batches) // k):
+    idx = range(w * k, (w + 1) * k)
+    outs = [ref_grad(params, stats, batches[i], keys[i]) for i in idx]
+    wts = [float(sizes[i]) for i in idx]
+    mean = lambda trees: jax.tree.map(lambda *xs: sum(wi * xi for wi, xi in zip(wts, xs)) / sum(wts), *trees)
+    updates, opt_state = opt.update(mean([o[0] for o in outs]), opt_state, params)
+    expected.append((stats, None))
+    params, stats = optax.apply_updates(params, updates), mean([o[1] for o in outs])
+    expected[-1] = (expected[-1][0], (params, stats))
+
+  optimizer = ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.adam(0.05), k), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, batch, key, weight):
+    optimizer.update(model, nnx.grad(nnx_loss)(model, batch, key), weight=weight)
+
+  for w in range(len(batches) // k):
+    _, (ref_params, ref_stats) = expected[w]
+    start_stats = nnx.as_pure(nnx.state(model, nnx.BatchStat))
+    for j in range(k):
+      i = w * k + j
+      step(model, optimizer, batches[i], keys[i], float(sizes[i]))
+      if j < k - 1:
+        chex.assert_trees_all_equal(nnx.as_pure(nnx.state(model, nnx.BatchStat)), start_stats)
+    assert int(optimizer.step[...]) == w + 1
+    chex.assert_trees_all_close(nnx.as_pure(nnx.state(model, nnx.Param)), ref_params, rtol=RTOL, atol=1e-15)
+    chex.assert_trees_all_close(nnx.as_pure(nnx.state(model, nnx.BatchStat)), ref_stats, rtol=RTOL, atol=1e-15)
+
+
+def test_nnx_bad_input():
+  model = NNXModel(nnx.Rngs(0))
+  grads = nnx.grad(nnx_loss)(model, regression_data(jax.random.PRNGKey(1), 4))
+  optimizer = ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.sgd(0.1), 2), wrt=nnx.Param)
+  with pytest.raises(ValueError, match="weight"):
+    optimizer.update(model, grads, weight=-1.0)
+  assert int(optimizer.micro_step) == 0  # nothing half-applied
+  plain = ja.flax.AccumulatingOptimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  with pytest.raises(TypeError, match="weight"):
+    plain.update(model, grads, weight=2.0)
+  with pytest.raises(TypeError, match="wrt"):
+    ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.sgd(0.1), 2))
