@@ -6,6 +6,9 @@ Public names only; every one lives in the module named after its concept.
 from jaxaccum.accumulate import AccumulateState
 from jaxaccum.accumulate import accumulate
 from jaxaccum.accumulate import has_updated
+from jaxaccum.lowcomm import diloco
+from jaxaccum.lowcomm import local_sgd
+from jaxaccum.lowcomm import stale
 from jaxaccum.microbatch import microbatch
 from jaxaccum.parallel import data_mesh
 from jaxaccum.parallel import pmean
