@@ -57,12 +57,7 @@ def main(argv=None) -> int:
         f"jax {header['jax']}{', quick' if args.quick else ''})\n")
   report = {"header": header, "sections": []}
   for name in sections:
-    try:
-      module = importlib.import_module(f"jaxaccum._bench_{name}")
-    except ModuleNotFoundError as e:
-      if e.name != f"jaxaccum._bench_{name}":
-        raise
-      continue
+    module = importlib.import_module(f"jaxaccum._bench_{name}")
     for result in module.run(quick=args.quick):
       print(f"## {result['title']}\n\n{result['markdown']}\n", flush=True)
       report["sections"].append({"section": name, **result})

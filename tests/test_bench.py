@@ -1,0 +1,35 @@
+"""python -m jaxaccum.bench --quick: a well-formed report with finite, positive ratios (no timing assertions)."""
+
+import json
+import math
+import subprocess
+import sys
+
+
+def _numbers(tree, path=""):
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from _numbers(v, f"{path}.{k}")
+  elif isinstance(tree, (list, tuple)):
+    for i, v in enumerate(tree):
+      yield from _numbers(v, f"{path}[{i}]")
+  elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+    yield path, tree
+
+
+def test_bench_quick_report(tmp_path):
+  out = tmp_path / "bench.json"
+  proc = subprocess.run([sys.executable, "-m", "jaxaccum.bench", "--quick", "--json", str(out)],
+                        capture_output=True, text=True, timeout=900, cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert report["header"]["quick"] is True
+  sections = {s["section"] for s in report["sections"]}
+  assert sections == {"accumulate", "microbatch", "flax", "lowcomm"}
+  for s in report["sections"]:
+    assert s["title"] and s["markdown"].count("|") > 4, s
+    assert f"## {s['title']}" in proc.stdout
+  ratios = [(p, v) for p, v in _numbers(report) if "ratio" in p]
+  assert ratios
+  for path, value in ratios:
+    assert math.isfinite(value) and value > 0, (path, value)
