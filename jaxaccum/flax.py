@@ -132,8 +132,8 @@ class TrainState(flax_train_state.TrainState):
     """
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
       raise TypeError(f"tx={tx!r} must be an optax GradientTransformation, e.g. ja.accumulate(optax.adam(1e-3), 4)")
-    if axis_name is not None and not isinstance(axis_name, (str, tuple)):
-      raise TypeError(f"{axis_name=} must be a string, a tuple of strings, or None")
+    if axis_name is not None:
+      parallel.validate_axis_name(axis_name)
     opt_state = tx.init(params)
     stats_sum = stats_weight = None
     if batch_stats is not None:
