@@ -62,7 +62,8 @@ def run(quick: bool = False) -> list[dict]:
   times = _ba.interleaved_medians(
       {"flax TrainState + optax.MultiSteps": ms_run,
        "ja.flax.TrainState + ja.accumulate": ja_run,
-       "ja.accumulate, plain optax API": tx_run}, repeats)
+       "ja.accumulate, plain optax API": tx_run,
+       "add-only floor (two jitted functions)": _ba._add_only_runner(inner, params, batches)}, repeats)
   base = times["flax TrainState + optax.MultiSteps"]
   rows = [f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x |" for name, t in times.items()]
   data = {

@@ -192,10 +192,19 @@ def accumulate(
       _check_k_value(k, f"every_k({int(update_count)})")
     return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
 
-  def update(grads, state, params=None, *, weight=None, **extra_args):
+  def step(grads, state, params, weight, extra_args, apply: bool):
+    """One microbatch. Returns (updates, state), or (new params, state) when `apply`.
+
+    With `apply` the window end applies the update to `params` inside the same
+    branch that runs `inner`, and a micro-step passes `params` through: no
+    params-sized zero updates are materialised and nothing is written to the
+    parameters (see `apply_gradients`).
+    """
     if not isinstance(state, AccumulateState):
       raise TypeError(f"state must be an AccumulateState, got {type(state).__name__}")
     _tree.check_same_structure(grads, state.acc_grads, "grads", "the accumulator state.acc_grads")
+    if apply:
+      _tree.check_same_structure(params, state.acc_grads, "params", "the accumulator state.acc_grads")
     weight = _check_weight(weight)
     if axis_name is not None:
       parallel.check_axis_name(axis_name)
@@ -227,9 +236,13 @@ def accumulate(
       w = jnp.where(finite, w, jnp.zeros_like(w))
     acc_weight = jnp.where(new_window, jnp.zeros_like(w), state.acc_weight) + w
 
+    def idle(params):
+      """What a call that applies nothing returns: zero updates, or the parameters as they are."""
+      return params if apply else _zeros_like(grads)
+
     def emit(operands):
       """The window's end: all-reduce, mean, `inner`. Runs only in the taken branch."""
-      acc_grads, acc_weight, inner_state, update_count = operands
+      acc_grads, acc_weight, inner_state, update_count, params = operands
       if axis_name is not None:
         # One psum of the pair; comm_dtype applies to the gradients only, since a
         # token count in bf16 is exact only up to 256.
@@ -238,40 +251,44 @@ def accumulate(
         acc_grads = _tree.cast_like(sent, acc_grads)
 
       def apply_inner(operands):
-        acc_grads, acc_weight, inner_state = operands
+        acc_grads, acc_weight, inner_state, params = operands
         mean = jax.tree.map(lambda a, g: (a / acc_weight.astype(a.dtype)).astype(g.dtype), acc_grads, grads)
         updates, inner_state = inner.update(mean, inner_state, params, **extra_args)
-        return _tree.cast_like(updates, grads), inner_state
+        updates = _tree.cast_like(updates, grads)
+        return (optax.apply_updates(params, updates) if apply else updates), inner_state
 
       def skip_inner(operands):
-        _, _, inner_state = operands
-        return _zeros_like(grads), inner_state
+        _, _, inner_state, params = operands
+        return idle(params), inner_state
 
       if skip_nonfinite:
         has_data = acc_weight > 0
-        updates, inner_state = parallel.cond(
-            has_data, apply_inner, skip_inner, (acc_grads, acc_weight, inner_state))
+        out, inner_state = parallel.cond(
+            has_data, apply_inner, skip_inner, (acc_grads, acc_weight, inner_state, params))
       else:
         has_data = jnp.asarray(True)
-        updates, inner_state = apply_inner((acc_grads, acc_weight, inner_state))
-      return updates, inner_state, update_count + has_data.astype(jnp.int32), has_data
+        out, inner_state = apply_inner((acc_grads, acc_weight, inner_state, params))
+      return out, inner_state, update_count + has_data.astype(jnp.int32), has_data
 
     def hold(operands):
-      """A micro-step: `inner`'s state passes through untouched (XLA aliases it, no copy)."""
-      _, _, inner_state, update_count = operands
-      return _zeros_like(grads), inner_state, update_count, jnp.asarray(False)
+      """A micro-step: `inner`'s state (and with `apply` the parameters) pass through untouched.
 
-    operands = (acc_grads, acc_weight, state.inner_state, state.update_count)
+      Passed-through operands are aliased by XLA when the caller donates them: no copy.
+      """
+      _, _, inner_state, update_count, params = operands
+      return idle(params), inner_state, update_count, jnp.asarray(False)
+
+    operands = (acc_grads, acc_weight, state.inner_state, state.update_count, params)
     k = window_length(state.update_count)
     if isinstance(k, int) and k == 1:
-      updates, inner_state, update_count, updated = emit(operands)
+      out, inner_state, update_count, updated = emit(operands)
       micro_step = jnp.zeros_like(state.micro_step)
     else:
       micro_step = state.micro_step + 1
       is_last = micro_step >= k
-      updates, inner_state, update_count, updated = parallel.cond(is_last, emit, hold, operands)
+      out, inner_state, update_count, updated = parallel.cond(is_last, emit, hold, operands)
       micro_step = jnp.where(is_last, jnp.zeros_like(micro_step), micro_step)
-    return updates, AccumulateState(
+    return out, AccumulateState(
         micro_step=micro_step,
         update_count=update_count,
         acc_grads=acc_grads,
@@ -281,4 +298,21 @@ def accumulate(
         updated=updated,
     )
 
+  def update(grads, state, params=None, *, weight=None, **extra_args):
+    return step(grads, state, params, weight, extra_args, apply=False)
+
+  def apply_gradients(grads, state, params, *, weight=None, **extra_args):
+    """`update` followed by `optax.apply_updates`, fused: returns (new params, state).
+
+    On a micro-step the parameters pass through the untaken branch (with
+    donation: not read, not written), so a micro-step costs only the add into
+    the accumulator. `ja.flax` uses this; it is reached as
+    `tx.update.apply_gradients` because an optax transformation is a plain
+    (init, update) pair with no room for a third function.
+    """
+    if params is None:
+      raise ValueError("apply_gradients needs params")
+    return step(grads, state, params, weight, extra_args, apply=True)
+
+  update.apply_gradients = apply_gradients
   return optax.GradientTransformationExtraArgs(init, update)

@@ -8,10 +8,11 @@ schedule, a warm-up or a "checkpoint every N steps" keyed on it is k times too
 fast. Here `step` counts completed updates (windows that applied `inner`) and
 `micro_step` the position inside the current window.
 
-On a micro-step the parameters are not written at all: the update is a
-`lax.cond` on `ja.has_updated`, whose "keep" branch passes the (donated)
-parameter buffers through, so a micro-step costs the gradient plus one add
-into the accumulator.
+On a micro-step the parameters are not written at all: `ja.accumulate`'s
+window-end branch applies the update to the parameters itself (one `lax.cond`
+for `inner` and the write), and its micro-step branch passes the (donated)
+parameter buffers through. So a micro-step costs the gradient plus one add
+into the accumulator, with no params-sized zero updates in between.
 
 BatchNorm. Each microbatch's forward pass computes new running statistics
 `s_i = m * s + (1 - m) * stat_i` from the window-start statistics `s`. Feeding
@@ -48,6 +49,22 @@ __all__ = ["TrainState", "AccumulatingOptimizer"]
 
 
 # --------------------------------------------------------------------------- shared
+
+
+def _apply_accumulated(tx, grads, opt_state, params, weight, extra_args):
+  """(new params, new opt_state) for one microbatch, with no parameter write on micro-steps.
+
+  `ja.accumulate` offers a fused `update.apply_gradients`; any other
+  transformation whose state is an `AccumulateState` gets `update` followed by
+  a `lax.cond` on `updated` that keeps the parameters on micro-steps.
+  """
+  fused = getattr(tx.update, "apply_gradients", None)
+  if fused is not None:
+    return fused(grads, opt_state, params, weight=weight, **extra_args)
+  updates, opt_state = tx.update(grads, opt_state, params, weight=weight, **extra_args)
+  params = parallel.cond(
+      opt_state.updated, lambda ops: optax.apply_updates(*ops), lambda ops: ops[0], (params, updates))
+  return params, opt_state
 
 
 def _weight_or_one(weight, dtype):
@@ -181,16 +198,12 @@ class TrainState(flax_train_state.TrainState):
       return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
                           opt_state=opt_state, **extra, **kwargs)
 
+    _tree.check_same_structure(grads, self.params, "grads", "state.params")
     new_window = self.opt_state.micro_step == 0
-    updates, opt_state = self.tx.update(grads, self.opt_state, self.params, weight=weight)
-    # Skip the write on micro-steps: the "keep" branch passes the donated
-    # parameter buffers through (aliased, no copy), where `params + 0` would
-    # read and write every parameter.
-    params = parallel.cond(
-        opt_state.updated,
-        lambda ops: optax.apply_updates(*ops),
-        lambda ops: ops[0],
-        (self.params, updates))
+    # Skip the write on micro-steps: the parameters pass through the untaken
+    # branch (aliased when donated, no copy), where `params + 0` would read and
+    # write every parameter.
+    params, opt_state = _apply_accumulated(self.tx, grads, self.opt_state, self.params, weight, {})
     extra = {}
     if batch_stats is not None:
       stats_sum, stats_weight = _accumulate_stats(
@@ -272,7 +285,9 @@ class AccumulatingOptimizer(nnx.Optimizer):
       **kwargs: extra arguments of `tx.update`.
 
     Returns:
-      The updates (zeros on micro-steps).
+      The change applied to the parameters, new minus old, in the structure of
+      `wrt` (exact zeros on micro-steps). Under `nnx.jit` it costs nothing when
+      the caller ignores it; it is not part of the fused step.
     """
     if not self._accumulating():
       if weight is not None:
@@ -282,9 +297,8 @@ class AccumulatingOptimizer(nnx.Optimizer):
     grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
     opt_state = nnx.as_pure(self.opt_state)
     new_window = opt_state.micro_step == 0
-    updates, opt_state = self.tx.update(grad_arrays, opt_state, param_arrays, weight=weight, **nnx.as_pure(kwargs))
-    new_params = parallel.cond(
-        opt_state.updated, lambda ops: optax.apply_updates(*ops), lambda ops: ops[0], (param_arrays, updates))
+    new_params, opt_state = _apply_accumulated(
+        self.tx, grad_arrays, opt_state, param_arrays, weight, nnx.as_pure(kwargs))
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
     self.step[...] = opt_state.update_count.astype(self.step.dtype)
@@ -304,4 +318,4 @@ class AccumulatingOptimizer(nnx.Optimizer):
       nnx.update(self.stats_start, stats)
       nnx.update(self.stats_sum, stats_sum)
       self.stats_weight[...] = stats_weight
-    return updates
+    return jax.tree.map(jnp.subtract, new_params, param_arrays)

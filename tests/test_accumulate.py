@@ -218,6 +218,54 @@ def test_no_copy_of_inner_state_on_micro_steps():
     assert _hlo.count(hlo, "conditional") >= 1
 
 
+@pytest.mark.parametrize("k, skip_nonfinite", [(1, False), (3, False), (3, True)])
+def test_fused_apply_gradients_is_update_then_apply_updates(problem, k, skip_nonfinite):
+  """`tx.update.apply_gradients` (what ja.flax uses) equals update + apply_updates.
+
+  To rounding, not bit for bit: XLA fuses `params + updates` into the window-end
+  branch, where it may contract a multiply-add differently; over steps the ulps add up.
+  """
+  params, loss_fn, data = problem
+  tx = ja.accumulate(optax.adam(0.05), k, skip_nonfinite=skip_nonfinite)
+  micro = split_rows(data, [8] * 9)
+  if skip_nonfinite:  # one NaN microbatch inside a window, then a window with nothing finite
+    micro[1] = (micro[1][0].at[0, 0].set(jnp.nan), micro[1][1])
+    for i in (6, 7, 8):
+      micro[i] = (micro[i][0].at[0, 0].set(jnp.inf), micro[i][1])
+
+  @jax.jit
+  def two_ways(p_plain, s_plain, p_fused, s_fused, batch, weight):
+    updates, s_plain = tx.update(jax.grad(loss_fn)(p_plain, batch), s_plain, p_plain, weight=weight)
+    p_fused, s_fused = tx.update.apply_gradients(jax.grad(loss_fn)(p_fused, batch), s_fused, p_fused, weight=weight)
+    return optax.apply_updates(p_plain, updates), s_plain, p_fused, s_fused
+
+  p_plain, p_fused = params, params
+  s_plain = s_fused = tx.init(params)
+  for i, batch in enumerate(micro):
+    p_plain, s_plain, p_fused, s_fused = two_ways(p_plain, s_plain, p_fused, s_fused, batch, jnp.float64(i + 1))
+    chex.assert_trees_all_close(p_fused, p_plain, rtol=RTOL, atol=1e-15)
+    chex.assert_trees_all_close(s_fused, s_plain, rtol=RTOL, atol=1e-15)
+    for field in ("micro_step", "update_count", "num_skipped", "updated"):
+      assert int(getattr(s_fused, field)) == int(getattr(s_plain, field)), field
+  assert int(s_fused.update_count) == (2 if skip_nonfinite else 9 // k)
+  with pytest.raises(ValueError, match="params does not match"):
+    tx.update.apply_gradients(jax.tree.map(jnp.zeros_like, params), tx.init(params), params[:1])
+
+
+def test_fused_apply_gradients_bf16_params():
+  params = {"w": jnp.ones((4, 3), jnp.bfloat16), "b": jnp.zeros((3,), jnp.float32)}
+  tx = ja.accumulate(optax.adam(0.1), 2)
+  grads = {"w": jnp.full((4, 3), 0.3, jnp.bfloat16), "b": jnp.full((3,), -0.5, jnp.float32)}
+  state_a = state_b = tx.init(params)
+  p_a = p_b = params
+  for _ in range(4):
+    updates, state_a = tx.update(grads, state_a, p_a)
+    p_a = optax.apply_updates(p_a, updates)
+    p_b, state_b = jax.jit(tx.update.apply_gradients)(grads, state_b, p_b)
+  assert p_b["w"].dtype == jnp.bfloat16 and p_b["b"].dtype == jnp.float32
+  chex.assert_trees_all_close(p_b, p_a, rtol=1e-2)  # bf16: one rounding of the sum at most
+
+
 # ----------------------------------------------------------------------------- skipping non-finite
 
 

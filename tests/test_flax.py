@@ -171,13 +171,13 @@ def test_linen_batchnorm_average_vs_full_batch_statistics():
   np.testing.assert_allclose(state.batch_stats["var"], full["var"] - 0.2 * means.var(0), rtol=1e-11)
 
 
-def _param_copies(hlo_text: str) -> list[str]:
-  """Non-scalar copies, except of broadcasts (the zero updates that ja.accumulate emits on micro-steps)."""
+def _big_copies(hlo_text: str) -> list[str]:
+  """Non-scalar copy instructions: a passed-through buffer copied, or zero updates materialised."""
   out = []
   for line in hlo_text.splitlines():
     if " copy(" in line:
-      shape, operand = line.split("=", 1)[1].split(" copy(", 1)
-      if "[]" not in shape and "broadcast" not in operand:
+      shape = line.split("=", 1)[1].split(" copy(", 1)[0]
+      if "[]" not in shape:
         out.append(line.strip())
   return out
 
@@ -193,7 +193,9 @@ def test_linen_donated_step_has_no_parameter_copies():
 
   hlo = step.lower(state, batch).compile().as_text()
   assert "conditional" in hlo
-  assert _param_copies(hlo) == []
+  # Not even the zero updates that the plain optax API has to emit on micro-steps
+  # (ja.accumulate's fused apply_gradients writes the parameters in its window-end branch).
+  assert _big_copies(hlo) == []
   # Every parameter buffer is donated into an output (updated in place or passed through).
   aliases = hlo.split("input_output_alias={", 1)[1].split("\n", 1)[0]
   for i in range(len(jax.tree.leaves(params))):
