@@ -1,6 +1,16 @@
 """Shared test setup: 8 simulated CPU devices and float64, before any device use."""
 
-import jax
+import os
+
+# XLA:CPU aborts the process when the 8 device threads of a collective do not all
+# arrive within 40 s; on an overloaded 2-core machine that can happen to a correct
+# program. Wait longer (read at backend start; inherited by the demo, bench and
+# notebook subprocesses). The flag exists in jaxlib >= 0.10.
+_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", True)
