@@ -72,7 +72,8 @@ def _zeros_like(tree):
 
 def _check_every_k(every_k: EveryK) -> EveryK:
   if callable(every_k):
-    k0 = every_k(0)
+    # Probe with what `update` passes (an int32 array), so array-only schedules work.
+    k0 = every_k(jnp.zeros([], jnp.int32))
     if _tree.is_concrete(k0):
       _check_k_value(k0, "every_k(0)")
     return every_k
@@ -136,7 +137,11 @@ def accumulate(
       (sum w g, sum w), giving the global weighted mean. Under `jax.shard_map`,
       take gradients with respect to parameters cast to varying
       (`lax.pcast(params, axis_name, to="varying")`); gradients already summed
-      by autodiff over replicated parameters raise a ValueError.
+      by autodiff over replicated parameters raise a ValueError. The state is
+      per device: between window ends `acc_grads` and `acc_weight` hold each
+      device's own partial sums, so keep the state with a leading device axis
+      (pmap: `in_axes=0, out_axes=0`; shard_map: those two fields sharded
+      `P(axis_name)`). Everything else in it agrees across devices.
     accumulator_dtype: dtype of the running sum. None: the wider of float32 and
       each gradient's dtype (bf16 -> float32, float64 stays float64).
     comm_dtype: dtype on the wire for the window-end all-reduce (e.g.
@@ -189,7 +194,9 @@ def accumulate(
       return every_k
     k = every_k(update_count)
     if _tree.is_concrete(k):
-      _check_k_value(k, f"every_k({int(update_count)})")
+      # A schedule may return a constant while the count is traced (under jit).
+      at = int(update_count) if _tree.is_concrete(update_count) else "update_count"
+      _check_k_value(k, f"every_k({at})")
     return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
 
   def step(grads, state, params, weight, extra_args, apply: bool):

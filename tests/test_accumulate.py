@@ -409,7 +409,7 @@ def device_windows(data, num_devices, k, sizes_per_device):
 
 
 @pytest.mark.parametrize("style", ["pmap", "shard_map"])
-def test_data_parallel_unequal_tokens_equals_one_device(style):
+def test_data_parallel_unequal_tokens_equals_one_device(style, tmp_path):
   n_dev, k = 8, 3
   sizes = [2, 3, 4, 5, 2, 3, 4, 5]
   pad = max(sizes)
@@ -442,10 +442,16 @@ def test_data_parallel_unequal_tokens_equals_one_device(style):
 
   state = tx.init(params)
   if style == "pmap":
-    step = jax.pmap(local_step, axis_name="data", in_axes=(None, None, 0), out_axes=(None, None))
-    p = params
+    # Mid-window the accumulator holds each device's own partial sum: the state is per device
+    # (a leading device axis, in_axes=0 and out_axes=0), never out_axes=None.
+    step = jax.pmap(local_step, axis_name="data", in_axes=(None, 0, 0), out_axes=(None, 0))
+    p, state = params, jax.tree.map(lambda x: jnp.stack([x] * n_dev), state)
     for i in range(k):
       p, state = step(p, state, padded(i))
+      if i == 0:  # through the host and back, mid-window: the partial sums must survive
+        ja.checkpoint.save(tmp_path / "mid", (p, state))
+        p, state = ja.checkpoint.restore(tmp_path / "mid", (p, state))
+        assert len(set(np.asarray(state.acc_weight).tolist())) > 1  # devices really differ
   else:
     mesh = ja.data_mesh("data")
     state_spec = jax.tree.map(lambda _: P(), state)
@@ -528,6 +534,20 @@ def test_comm_dtype_bf16_on_the_wire():
 def test_bad_every_k(every_k, error):
   with pytest.raises(error, match="every_k"):
     ja.accumulate(optax.sgd(0.1), every_k)
+
+
+@pytest.mark.parametrize("schedule", [optax.constant_schedule(2), lambda count: 2,
+                                      lambda count: count.astype(jnp.int32) * 0 + 2])
+def test_constant_valued_schedules_under_jit(schedule):
+  """A schedule may ignore the (traced) count, or accept only arrays."""
+  tx = ja.accumulate(optax.sgd(1.0), schedule)
+  update = jax.jit(tx.update)
+  state = tx.init({"w": jnp.zeros(1)})
+  seen = []
+  for g in (1.0, 3.0, 5.0, 7.0):
+    updates, state = update({"w": jnp.full(1, g)}, state)
+    seen.append(float(updates["w"][0]))
+  assert seen == [0.0, -2.0, 0.0, -6.0]
 
 
 def test_schedule_returning_zero():
