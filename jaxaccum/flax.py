@@ -26,7 +26,9 @@ full-batch one; the running *variance* is the mean of the within-microbatch
 variances, smaller than the full-batch variance by the (weighted) variance of
 the microbatch means (law of total variance). That is also what the model
 normalised with during training, since BatchNorm in training mode uses each
-microbatch's own statistics.
+microbatch's own statistics. A microbatch that `accumulate(...,
+skip_nonfinite=True)` drops takes its statistics with it, and a window with no
+finite microbatch leaves the statistics as they were.
 """
 
 from __future__ import annotations
@@ -71,14 +73,26 @@ def _weight_or_one(weight, dtype):
   return jnp.ones([], dtype) if weight is None else jnp.asarray(weight).astype(dtype)
 
 
-def _accumulate_stats(new_stats, stats_sum, stats_weight, weight, new_window):
-  """sum <- (new window ? 0 : sum) + w s_i, and the same for the weight (lazy reset, as accumulate does)."""
-  w = _weight_or_one(weight, stats_weight.dtype)
-  stats_sum = jax.tree.map(
-      lambda acc, s: jnp.where(new_window, jnp.zeros_like(acc), acc) + s.astype(acc.dtype) * w.astype(acc.dtype),
-      stats_sum, new_stats)
+def _accumulate_stats(new_stats, stats_sum, stats_weight, weight, new_window, kept):
+  """sum <- (new window ? 0 : sum) + w s_i, and the same for the weight (lazy reset, as accumulate does).
+
+  `kept` is False for a microbatch that `accumulate(..., skip_nonfinite=True)`
+  dropped: its statistics (likely NaN too) are dropped with it.
+  """
+  w = jnp.where(kept, _weight_or_one(weight, stats_weight.dtype), jnp.zeros([], stats_weight.dtype))
+
+  def add(acc, s):
+    s = s.astype(acc.dtype) * w.astype(acc.dtype)
+    return jnp.where(new_window, jnp.zeros_like(acc), acc) + jnp.where(kept, s, jnp.zeros_like(s))  # NaN * 0 is NaN
+
+  stats_sum = jax.tree.map(add, stats_sum, new_stats)
   stats_weight = jnp.where(new_window, jnp.zeros_like(stats_weight), stats_weight) + w
   return stats_sum, stats_weight
+
+
+def _kept(old_opt_state, new_opt_state):
+  """False when the call just made dropped its microbatch as non-finite."""
+  return new_opt_state.num_skipped == old_opt_state.num_skipped
 
 
 def _stats_accumulator(stats):
@@ -88,9 +102,13 @@ def _stats_accumulator(stats):
 
 
 def _window_mean(stats_sum, stats_weight, like, axis_name):
+  """The window's weighted mean of the statistics; `like` (the window-start ones) when nothing was kept."""
   if axis_name is not None:
     stats_sum, stats_weight = lax.psum((stats_sum, stats_weight), axis_name)
-  return jax.tree.map(lambda a, s: (a / stats_weight.astype(a.dtype)).astype(jnp.result_type(s)), stats_sum, like)
+  has_data = stats_weight > 0
+  safe = jnp.where(has_data, stats_weight, jnp.ones_like(stats_weight))
+  return jax.tree.map(
+      lambda a, s: jnp.where(has_data, (a / safe.astype(a.dtype)).astype(jnp.result_type(s)), s), stats_sum, like)
 
 
 # --------------------------------------------------------------------------- linen
@@ -207,7 +225,8 @@ class TrainState(flax_train_state.TrainState):
     extra = {}
     if batch_stats is not None:
       stats_sum, stats_weight = _accumulate_stats(
-          batch_stats, self.batch_stats_sum, self.batch_stats_weight, weight, new_window)
+          batch_stats, self.batch_stats_sum, self.batch_stats_weight, weight, new_window,
+          _kept(self.opt_state, opt_state))
       window_end = opt_state.micro_step == 0
       new_stats = parallel.cond(
           window_end,
@@ -295,25 +314,29 @@ class AccumulatingOptimizer(nnx.Optimizer):
       return super().update(model, grads, **kwargs)
     param_arrays = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
     grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
-    opt_state = nnx.as_pure(self.opt_state)
-    new_window = opt_state.micro_step == 0
-    new_params, opt_state = _apply_accumulated(
-        self.tx, grad_arrays, opt_state, param_arrays, weight, nnx.as_pure(kwargs))
-    nnx.update(model, new_params)
-    nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
-    self.step[...] = opt_state.update_count.astype(self.step.dtype)
-
     if self.stats_start is not None:
+      # Checked before anything is written: a bad call changes nothing.
       current = nnx.as_pure(nnx.state(model, self.stats_filter, graph=self.graph))
       start = nnx.as_pure(self.stats_start)
       _tree.check_same_structure(current, start, f"the model's {self.stats_filter} variables",
                                  "those at construction")
+    old_opt_state = nnx.as_pure(self.opt_state)
+    new_params, opt_state = _apply_accumulated(
+        self.tx, grad_arrays, old_opt_state, param_arrays, weight, nnx.as_pure(kwargs))
+
+    if self.stats_start is not None:
       stats_sum, stats_weight = _accumulate_stats(
-          current, nnx.as_pure(self.stats_sum), nnx.as_pure(self.stats_weight), weight, new_window)
+          current, nnx.as_pure(self.stats_sum), nnx.as_pure(self.stats_weight), weight,
+          old_opt_state.micro_step == 0, _kept(old_opt_state, opt_state))
       window_end = opt_state.micro_step == 0
       mean = _window_mean(stats_sum, stats_weight, start, None)
       # Statistics are small: a select is cheaper than a cond here.
       stats = jax.tree.map(lambda m, s: jnp.where(window_end, m, s), mean, start)
+
+    nnx.update(model, new_params)
+    nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
+    self.step[...] = opt_state.update_count.astype(self.step.dtype)
+    if self.stats_start is not None:
       nnx.update(model, stats)
       nnx.update(self.stats_start, stats)
       nnx.update(self.stats_sum, stats_sum)

@@ -171,6 +171,50 @@ def test_linen_batchnorm_average_vs_full_batch_statistics():
   np.testing.assert_allclose(state.batch_stats["var"], full["var"] - 0.2 * means.var(0), rtol=1e-11)
 
 
+def test_linen_skip_nonfinite_drops_the_microbatch_statistics_too():
+  """A microbatch dropped for a NaN gradient takes its (NaN) statistics with it; an empty window changes nothing."""
+  params = {"w": jnp.asarray([1.0, -2.0, 0.5])}
+  tx = ja.accumulate(optax.sgd(0.1), 3, skip_nonfinite=True)
+  state = ja.flax.TrainState.create(apply_fn=None, params=params, tx=tx, batch_stats={"mean": jnp.zeros(3)})
+  step = jax.jit(lambda st, g, s, w: st.apply_gradients(grads={"w": g}, batch_stats={"mean": s}, weight=w))
+  nan = jnp.full(3, jnp.nan)
+  g1, g3, s1, s3 = jnp.asarray([1.0, 2.0, 3.0]), jnp.asarray([-1.0, 0.0, 4.0]), jnp.full(3, 2.0), jnp.full(3, 7.0)
+  for g, st, w in [(g1, s1, 2.0), (nan, nan, 3.0), (g3, s3, 5.0)]:
+    state = step(state, g, st, w)
+  np.testing.assert_allclose(state.params["w"], params["w"] - 0.1 * (2 * g1 + 5 * g3) / 7, rtol=RTOL)
+  np.testing.assert_allclose(state.batch_stats["mean"], (2 * s1 + 5 * s3) / 7, rtol=RTOL)
+  assert int(state.step) == 1 and int(state.opt_state.num_skipped) == 1
+  before = state
+  for _ in range(3):
+    state = step(state, nan, nan, 1.0)
+  chex.assert_trees_all_equal((state.params, state.batch_stats), (before.params, before.batch_stats))
+  assert int(state.step) == 1 and int(state.opt_state.num_skipped) == 4
+
+
+def test_linen_batch_stats_averaged_over_devices_with_axis_name():
+  """TrainState(axis_name=...) under pmap: window-end statistics are the weighted mean over devices too."""
+  n, k = 4, 2
+  params = {"w": jnp.asarray([1.0, -2.0])}
+  tx = ja.accumulate(optax.sgd(0.1), k, axis_name="d")
+  state = ja.flax.TrainState.create(apply_fn=None, params=params, tx=tx, batch_stats={"mean": jnp.zeros(2)},
+                                    axis_name="d")
+  # The accumulator (and so the whole state) is per device: give every device its own copy.
+  states = jax.tree.map(lambda x: jnp.stack([x] * n), state)
+  rng = np.random.default_rng(0)
+  grads, stats, weights = rng.normal(size=(k, n, 2)), rng.normal(size=(k, n, 2)), rng.integers(1, 9, size=(k, n)) * 1.0
+  step = jax.pmap(lambda st, g, s, w: st.apply_gradients(grads={"w": g}, batch_stats={"mean": s}, weight=w),
+                  axis_name="d")
+  for i in range(k):
+    states = step(states, grads[i], stats[i], weights[i])
+  wsum = weights.sum()
+  expected_stats = (weights[..., None] * stats).sum((0, 1)) / wsum
+  expected_w = np.asarray(params["w"]) - 0.1 * (weights[..., None] * grads).sum((0, 1)) / wsum
+  for d in range(n):
+    np.testing.assert_allclose(states.batch_stats["mean"][d], expected_stats, rtol=RTOL)
+    np.testing.assert_allclose(states.params["w"][d], expected_w, rtol=RTOL)
+  assert np.all(np.asarray(states.step) == 1)
+
+
 def _big_copies(hlo_text: str) -> list[str]:
   """Non-scalar copy instructions: a passed-through buffer copied, or zero updates materialised."""
   out = []
@@ -205,6 +249,10 @@ def test_linen_donated_step_has_no_parameter_copies():
 def test_linen_bad_input():
   params = mlp_init(jax.random.PRNGKey(0), (3, 4, 2))
   grads = jax.tree.map(jnp.ones_like, params)
+  for bad in (3, "", ("data", 2)):
+    with pytest.raises(TypeError, match="axis_name="):
+      ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.sgd(0.1), 2),
+                                axis_name=bad)
   state = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.sgd(0.1), 2))
   with pytest.raises(ValueError, match="weight"):
     state.apply_gradients(grads=grads, weight=0.0)
@@ -340,6 +388,32 @@ def test_nnx_batchnorm_and_dropout_under_jit():
     assert int(optimizer.step[...]) == w + 1
     chex.assert_trees_all_close(nnx.as_pure(nnx.state(model, nnx.Param)), ref_params, rtol=RTOL, atol=1e-15)
     chex.assert_trees_all_close(nnx.as_pure(nnx.state(model, nnx.BatchStat)), ref_stats, rtol=RTOL, atol=1e-15)
+
+
+def test_nnx_skip_nonfinite_drops_the_microbatch_statistics_too():
+  model = NNXModel(nnx.Rngs(0), batchnorm=True)
+  optimizer = ja.flax.AccumulatingOptimizer(
+      model, ja.accumulate(optax.sgd(0.1), 2, skip_nonfinite=True), wrt=nnx.Param)
+  params0 = nnx.as_pure(nnx.state(model, nnx.Param))
+  grads = nnx.grad(nnx_loss)(model, regression_data(jax.random.PRNGKey(1), 6))
+  nan_grads = jax.tree.map(lambda g: g * jnp.nan, grads)
+  stat = jnp.linspace(-1.0, 1.0, 8)
+
+  def feed(mean, g, weight):  # what a training-mode forward pass and its gradient hand over
+    model.bn.mean[...] = mean
+    optimizer.update(model, g, weight=weight)
+
+  feed(stat, grads, 2.0)
+  feed(jnp.full(8, jnp.nan), nan_grads, 3.0)
+  np.testing.assert_allclose(model.bn.mean[...], stat, rtol=RTOL)
+  expected = jax.tree.map(lambda p, g: p - 0.1 * g, params0, nnx.as_pure(grads))
+  chex.assert_trees_all_close(nnx.as_pure(nnx.state(model, nnx.Param)), expected, rtol=RTOL, atol=1e-15)
+  assert int(optimizer.step[...]) == 1
+  after = nnx.as_pure(nnx.state(model))
+  for _ in range(2):
+    feed(jnp.full(8, jnp.nan), nan_grads, 1.0)
+  chex.assert_trees_all_equal(nnx.as_pure(nnx.state(model)), after)
+  assert int(optimizer.step[...]) == 1
 
 
 def test_nnx_bad_input():
