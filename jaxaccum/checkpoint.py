@@ -99,7 +99,7 @@ def restore(path, like):
       the first differing path); the files are left as they were.
   """
   path = _path(path)
-  if not os.path.isdir(path):
+  if not os.path.isdir(path) or not os.listdir(path):
     raise FileNotFoundError(f"no checkpoint at {path=}")
   abstract = jax.tree.map(_abstract, like)
   with ocp.StandardCheckpointer() as checkpointer:
@@ -118,4 +118,7 @@ def restore(path, like):
       if tuple(s.shape) != tuple(w.shape) or jax.numpy.dtype(s.dtype) != jax.numpy.dtype(w.dtype):
         raise ValueError(f"checkpoint at {path} does not match like at {name!r}: stored "
                          f"{s.dtype}{list(s.shape)}, like {w.dtype}{list(w.shape)}")
-    return checkpointer.restore(path, abstract)
+    try:
+      return checkpointer.restore(path, abstract)
+    except ValueError as e:  # same leaves, other containers (e.g. adam's state against adamw's)
+      raise ValueError(f"checkpoint at {path} does not match like: {e}") from None

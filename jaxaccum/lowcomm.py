@@ -33,10 +33,12 @@ all-reduce outside that branch (tests/test_lowcomm.py checks it).
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -317,10 +319,11 @@ def stale(
     TypeError/ValueError: `delay` not an int >= 0, `staleness_lr_scale` not a
       bool; at update time a grads tree that does not match the buffer.
   """
-  if isinstance(delay, bool) or not isinstance(delay, int):
+  if isinstance(delay, (bool, np.bool_)) or not isinstance(delay, numbers.Integral):
     raise TypeError(f"{delay=} must be an integer >= 0, got {type(delay).__name__}")
   if delay < 0:
     raise ValueError(f"{delay=} must be an integer >= 0")
+  delay = int(delay)
   if not isinstance(staleness_lr_scale, bool):
     raise TypeError(f"{staleness_lr_scale=} must be a bool")
   inner = optax.with_extra_args_support(inner)

@@ -92,7 +92,9 @@ def microbatch(
   see `make_train_step` for what that means next to full-batch statistics.
 
   Args:
-    fun: the function to wrap; its outputs must be arrays (any pytree).
+    fun: the function to wrap; its outputs must be floating arrays (any
+      pytree): each is averaged, so an integer output is a TypeError rather
+      than a truncated mean.
     num_microbatches: K, an int >= 1 dividing the leading size of every batch
       leaf. K = 1 calls `fun` once, with no loop.
     batch_argnums: the positional argument(s) holding the batch (pytrees whose
@@ -156,6 +158,7 @@ def microbatch(
 
     if k == 1:
       out, w = call(batches, 0)
+      _check_float_outputs(out)
       if axis_name is None:
         return out  # the weighted mean of one microbatch is the microbatch
       acc = jax.tree.map(lambda o: _weighted(o, w, _tree.accumulator_dtype(o.dtype, accumulator_dtype)), out)
@@ -169,6 +172,7 @@ def microbatch(
       return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), views)
 
     out_shape, w_shape = jax.eval_shape(lambda: call(take(0), 0))
+    _check_float_outputs(out_shape)
     wdtype = _wdtype(out_shape, accumulator_dtype)
 
     def zeros(s, dtype):
@@ -190,6 +194,15 @@ def microbatch(
     return _finish(acc, wsum, out_shape, axis_name)
 
   return wrapped
+
+
+def _check_float_outputs(outs) -> None:
+  """Every output is averaged, so it must be floating: an integer mean would be truncated."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(outs):
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+      raise TypeError(
+          f"fun's output{jax.tree_util.keystr(path)} has dtype {leaf.dtype}: microbatch returns the "
+          "weighted mean of every output, so return it as a float (e.g. count.astype(jnp.float32))")
 
 
 def _weighted(out, w, dtype):

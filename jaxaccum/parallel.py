@@ -142,6 +142,8 @@ def _all_reduce_transform(axis_name, comm_dtype, mean: bool) -> optax.GradientTr
   validate_axis_name(axis_name)
   if comm_dtype is not None:
     comm_dtype = jnp.dtype(comm_dtype)
+    if not jnp.issubdtype(comm_dtype, jnp.floating):
+      raise ValueError(f"{comm_dtype=} must be a floating dtype (an integer wire dtype truncates)")
 
   def init(params):
     del params

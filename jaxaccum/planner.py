@@ -12,6 +12,7 @@ is needed to find K. Microbatching trades K sequential steps for activations
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Sequence
 
 import jax
@@ -93,9 +94,12 @@ def plan_microbatches(
   Raises:
     ValueError: when no candidate fits, naming the smallest total found.
   """
-  if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, (int, float)) \
-      or memory_budget_bytes <= 0:
+  if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, numbers.Real):
+    raise TypeError(f"{memory_budget_bytes=} must be a positive number of bytes")
+  if not memory_budget_bytes > 0:
     raise ValueError(f"{memory_budget_bytes=} must be a positive number of bytes")
+  if not callable(step_fn):
+    raise TypeError(f"step_fn={step_fn!r} must be callable: K -> the jitted step for K microbatches")
   if candidates is None:
     if not -len(example_args) <= batch_argnum < len(example_args):
       raise ValueError(f"{batch_argnum=} is out of range for {len(example_args)} example arguments")

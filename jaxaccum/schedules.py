@@ -71,12 +71,14 @@ class PiecewiseSchedule:
         raise ValueError(f"{update_count=} must be >= 0")
       return self.values[bisect.bisect_right(self.boundaries, update_count) - 1]
     count = _check_count_array(update_count)
-    # Boundaries beyond the counter's range are never reached: clip, don't overflow.
+    # A boundary beyond the counter dtype's range is never reached: drop it (a
+    # clip to the maximum would make it reachable there), and don't overflow.
     top = int(np.iinfo(count.dtype).max)
-    bounds = jnp.asarray([min(b, top) for b in self.boundaries], count.dtype)
+    reachable = [i for i, b in enumerate(self.boundaries) if b <= top]
+    bounds = jnp.asarray([self.boundaries[i] for i in reachable], count.dtype)
+    values = jnp.asarray([self.values[i] for i in reachable], jnp.int32)
     index = jnp.searchsorted(bounds, count, side="right") - 1
-    values = jnp.asarray(self.values, jnp.int32)
-    return values[jnp.clip(index, 0, len(self.values) - 1)]
+    return values[jnp.clip(index, 0, len(reachable) - 1)]
 
   def __repr__(self) -> str:
     pieces = ", ".join(f"{b}: {v}" for b, v in zip(self.boundaries, self.values))
@@ -293,9 +295,12 @@ def microbatches_consumed(schedule: Callable[[Any], Any], update_count):
     u = int(update_count)
     return sum(v * max(0, (u if e is None else min(u, e)) - b) for b, e, v in zip(starts, ends, schedule.values))
   count = _check_count_array(update_count)
+  top = int(np.iinfo(count.dtype).max)
   total = jnp.zeros(count.shape, count.dtype)
   for b, e, v in zip(starts, ends, schedule.values):
-    upper = count if e is None else jnp.minimum(count, e)
+    if b > top:  # never reached by a counter of this dtype
+      break
+    upper = count if e is None or e > top else jnp.minimum(count, e)
     total = total + v * jnp.maximum(upper - b, 0)
   return total
 
@@ -313,7 +318,7 @@ def _check_k(k, name: str) -> int:
 def _check_count_array(update_count) -> jax.Array:
   count = jnp.asarray(update_count)
   if not jnp.issubdtype(count.dtype, jnp.integer) or count.dtype == jnp.bool_:
-    raise TypeError(f"update_count must be an integer, got dtype {count.dtype}")
+    raise TypeError(f"update_count={update_count!r} must be an integer, got dtype {count.dtype}")
   if _tree.is_concrete(count) and bool(jnp.any(count < 0)):
     raise ValueError(f"update_count={update_count!r} must be >= 0")
   return count

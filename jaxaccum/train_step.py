@@ -90,6 +90,12 @@ def make_train_step(
   if not hasattr(optimizer, "update") or not hasattr(optimizer, "init"):
     raise TypeError(f"optimizer={optimizer!r} must be an optax GradientTransformation")
   k = _tree.check_positive_int(num_microbatches, "num_microbatches")
+  if not isinstance(has_aux, bool):
+    raise TypeError(f"{has_aux=} must be a bool")
+  if not isinstance(donate, bool):
+    raise TypeError(f"{donate=} must be a bool")
+  if weight_fn is not None and not callable(weight_fn):
+    raise TypeError(f"weight_fn={weight_fn!r} must be callable or None")
   if mesh is not None:
     if not isinstance(mesh, Mesh):
       raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh (see ja.data_mesh)")

@@ -175,6 +175,20 @@ def test_mismatched_tree_is_a_clear_error_and_leaves_the_files(tmp_path):
     ja.checkpoint.save(path, (params, state))
   with pytest.raises(FileNotFoundError):
     ja.checkpoint.restore(tmp_path / "nothing", params)
+  (tmp_path / "empty").mkdir()
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    ja.checkpoint.restore(tmp_path / "empty", params)
+  # The same leaves in other containers (adamw's chain has two more, leafless, states than adam's).
+  p = {"w": jnp.ones(3)}
+  ja.checkpoint.save(tmp_path / "adam", optax.adam(0.1).init(p))
+  with pytest.raises(ValueError, match="does not match like"):
+    ja.checkpoint.restore(tmp_path / "adam", optax.adamw(0.1).init(p))
+  with pytest.raises(TypeError, match="path=3"):
+    ja.checkpoint.save(3, params)
+  with pytest.raises(TypeError, match="overwrite=1"):
+    ja.checkpoint.save(tmp_path / "other", params, overwrite=1)
+  with pytest.raises(TypeError, match="like holds a str leaf"):
+    ja.checkpoint.restore(path, (params, "not an array"))
   assert _digest(path) == before
   restored = ja.checkpoint.restore(path, (params, state))  # the checkpoint still reads
   chex.assert_trees_all_equal(restored, (params, state))

@@ -301,6 +301,7 @@ def test_bad_delay_and_options():
       ja.stale(optax.sgd(0.1), bad)
   with pytest.raises(TypeError, match="staleness_lr_scale="):
     ja.stale(optax.sgd(0.1), 2, staleness_lr_scale=1)
+  assert ja.stale(optax.sgd(0.1), np.int64(2)).init({"w": jnp.ones(3)}).buffer["w"].shape == (2, 3)
   with pytest.raises(ValueError, match="comm_dtype="):
     ja.diloco(optax.sgd(0.1), optax.sgd(0.7), 2, axis_name="d", comm_dtype=jnp.int32)
   params, _, _ = _setup()

@@ -184,3 +184,7 @@ def test_bad_input(problem):
     ja.microbatch(vg, 2, key_argnum=1)(params, data)
   with pytest.raises(ValueError, match="disagree"):
     ja.microbatch(vg, 2)(params, (data[0], data[1][:60]))
+  counting = lambda p, b: (mse_loss(p, b), jnp.sum(b[0][:, 0] > 0))  # an int output has no exact mean
+  for k in (1, 4):
+    with pytest.raises(TypeError, match=r"output\[1\] has dtype int"):
+      ja.microbatch(counting, k)(params, data)

@@ -88,6 +88,9 @@ def test_unbound_and_bad_axis_names():
   for bad in (3, None, ()):
     with pytest.raises(TypeError, match="axis_name"):
       ja.pmean(bad)
+  for make in (ja.pmean, ja.psum):
+    with pytest.raises(ValueError, match="comm_dtype=dtype\\('int32'\\)"):
+      make("data", comm_dtype=jnp.int32)
 
 
 # --------------------------------------------------------------------------- meshes and data

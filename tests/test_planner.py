@@ -42,5 +42,9 @@ def test_nothing_fits_names_smallest_total():
     ja.plan_microbatches(factory, *args, memory_budget_bytes=100, candidates=[2, 8])
   with pytest.raises(ValueError, match="memory_budget_bytes=0"):
     ja.plan_microbatches(factory, *args, memory_budget_bytes=0)
+  with pytest.raises(TypeError, match="memory_budget_bytes='100'"):
+    ja.plan_microbatches(factory, *args, memory_budget_bytes="100")
+  with pytest.raises(TypeError, match="step_fn="):
+    ja.plan_microbatches(None, *args, memory_budget_bytes=1)
   with pytest.raises(ValueError, match="candidates=0"):
     ja.plan_microbatches(factory, *args, memory_budget_bytes=1, candidates=[0])

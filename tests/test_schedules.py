@@ -88,6 +88,11 @@ def test_from_lr_decay_rounding_and_edge_cases():
   b = schedules.from_lr_decay(1, [(100, 0.5), (200, 0.5)])
   assert (a.boundaries, a.values) == (b.boundaries, b.values) == ((0, 100, 150), (1, 2, 4))
   assert repr(a) == "from_lr_decay({0: 1, 100: 2, 150: 4})"
+  # A boundary beyond the counter dtype's range is never reached (not even at its maximum).
+  far = schedules.from_lr_decay(1, {2**40: 0.5})
+  assert int(far(jnp.int32(2**31 - 1))) == 1 and far(2**41) == 2
+  assert int(schedules.from_lr_decay(1, {300: 0.5})(jnp.uint8(255))) == 1
+  assert int(schedules.microbatches_consumed(far, jnp.int32(7))) == 7
 
 
 @pytest.mark.parametrize("base_k, boundaries_and_scales, momentum", [

@@ -177,6 +177,12 @@ def test_bad_input(problem):
     ja.make_train_step(loss_fn, opt, num_microbatches=0)
   with pytest.raises(TypeError, match="num_microbatches="):
     ja.make_train_step(loss_fn, opt, num_microbatches=2.0)
+  with pytest.raises(TypeError, match="has_aux=1"):
+    ja.make_train_step(loss_fn, opt, has_aux=1)
+  with pytest.raises(TypeError, match="donate='no'"):
+    ja.make_train_step(loss_fn, opt, donate="no")
+  with pytest.raises(TypeError, match="weight_fn=3"):
+    ja.make_train_step(loss_fn, opt, weight_fn=3)
   step = ja.make_train_step(loss_fn, opt, num_microbatches=4, mesh=mesh, data_axis="batch")
   with pytest.raises(ValueError, match=r"120.*8 devices.*num_microbatches=4"):
     step(params, opt.init(params), data)
