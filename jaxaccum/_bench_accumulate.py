@@ -8,46 +8,13 @@ anything), and optimizer-state bytes.
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from jaxaccum._bench_common import count_big_copies, interleaved_medians, mlp_loss, mlp_params, tree_bytes
 from jaxaccum.accumulate import accumulate
-
-
-def mlp_params(key, width: int, depth: int):
-  keys = jax.random.split(key, depth)
-  return [{"w": jax.random.normal(k, (width, width), jnp.float32) / np.sqrt(width),
-           "b": jnp.zeros((width,), jnp.float32)} for k in keys]
-
-
-def mlp_loss(params, batch):
-  x, y = batch
-  for layer in params[:-1]:
-    x = jnp.tanh(x @ layer["w"] + layer["b"])
-  x = x @ params[-1]["w"] + params[-1]["b"]
-  return jnp.mean((x - y) ** 2)
-
-
-def tree_bytes(tree) -> int:
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def interleaved_medians(runners: dict, repeats: int) -> dict:
-  """Runs each runner twice to warm up, then `repeats` rounds in turn; median seconds."""
-  for run in runners.values():
-    run()
-    run()
-  times = {name: [] for name in runners}
-  for _ in range(repeats):
-    for name, run in runners.items():
-      start = time.perf_counter()
-      run()
-      times[name].append(time.perf_counter() - start)
-  return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def _transform_runner(tx, params, batches):
@@ -114,7 +81,7 @@ def run(quick: bool = False) -> list[dict]:
         "seconds_per_window": times,
         "ratio_vs_multisteps": {n: t / base for n, t in times.items()},
         "big_copies_in_step_hlo": {
-            "MultiSteps": _count_big_copies(ms_hlo), "accumulate": _count_big_copies(ja_hlo)},
+            "MultiSteps": count_big_copies(ms_hlo), "accumulate": count_big_copies(ja_hlo)},
     }
     data[f"B={micro_batch}"] = entry
     for name, t in times.items():
@@ -140,13 +107,3 @@ def run(quick: bool = False) -> list[dict]:
       {"title": "accumulate: optimizer-state memory", "markdown": state_table,
        "data": {"params_bytes": params_bytes, "state_bytes": state_bytes}},
   ]
-
-
-def _count_big_copies(hlo_text: str) -> int:
-  """Copy instructions of non-scalar arrays: what a pass-through costs."""
-  count = 0
-  for line in hlo_text.splitlines():
-    if " copy(" in line:
-      shape = line.split("=", 1)[1].split(" copy(")[0]
-      count += "[]" not in shape
-  return count

@@ -14,20 +14,15 @@ import jax.numpy as jnp
 import optax
 
 from jaxaccum import _bench_accumulate as _ba
+from jaxaccum._bench_common import count_big_copies, interleaved_medians, mlp_apply, mlp_loss, mlp_params
 from jaxaccum.accumulate import accumulate
-
-
-def _apply(params, x):
-  for layer in params[:-1]:
-    x = jnp.tanh(x @ layer["w"] + layer["b"])
-  return x @ params[-1]["w"] + params[-1]["b"]
 
 
 def _runner(state, batches):
   """A window of donated `apply_gradients` steps; returns (run, compiled HLO text)."""
   @functools.partial(jax.jit, donate_argnums=(0,))
   def step(state, batch):
-    return state.apply_gradients(grads=jax.grad(_ba.mlp_loss)(state.params, batch))
+    return state.apply_gradients(grads=jax.grad(mlp_loss)(state.params, batch))
 
   carry = [state]
   hlo = step.lower(state, batches[0]).compile().as_text()
@@ -47,7 +42,7 @@ def run(quick: bool = False) -> list[dict]:
   width, depth, k = (128, 4, 16) if quick else (512, 4, 16)
   repeats = 3 if quick else 15
   micro_batch = 8
-  params = _ba.mlp_params(jax.random.PRNGKey(0), width, depth)
+  params = mlp_params(jax.random.PRNGKey(0), width, depth)
   inner = optax.adam(1e-3)
   batches = [
       (jax.random.normal(jax.random.PRNGKey(i), (micro_batch, width)),
@@ -55,11 +50,11 @@ def run(quick: bool = False) -> list[dict]:
       for i in range(k)]
   fresh = lambda: jax.tree.map(jnp.copy, params)  # each runner owns (and donates) its buffers
   ms_run, ms_hlo = _runner(flax_train_state.TrainState.create(
-      apply_fn=_apply, params=fresh(), tx=optax.MultiSteps(inner, k)), batches)
+      apply_fn=mlp_apply, params=fresh(), tx=optax.MultiSteps(inner, k)), batches)
   ja_run, ja_hlo = _runner(ja_flax.TrainState.create(
-      apply_fn=_apply, params=fresh(), tx=accumulate(inner, k)), batches)
+      apply_fn=mlp_apply, params=fresh(), tx=accumulate(inner, k)), batches)
   tx_run, _, _ = _ba._transform_runner(accumulate(inner, k), params, batches)
-  times = _ba.interleaved_medians(
+  times = interleaved_medians(
       {"flax TrainState + optax.MultiSteps": ms_run,
        "ja.flax.TrainState + ja.accumulate": ja_run,
        "ja.accumulate, plain optax API": tx_run,
@@ -70,8 +65,8 @@ def run(quick: bool = False) -> list[dict]:
       "k": k, "micro_batch": micro_batch, "width": width, "depth": depth, "repeats": repeats,
       "seconds_per_window": times,
       "ratio_vs_multisteps": {n: t / base for n, t in times.items()},
-      "big_copies_in_step_hlo": {"MultiSteps": _ba._count_big_copies(ms_hlo),
-                                 "ja.flax.TrainState": _ba._count_big_copies(ja_hlo)},
+      "big_copies_in_step_hlo": {"MultiSteps": count_big_copies(ms_hlo),
+                                 "ja.flax.TrainState": count_big_copies(ja_hlo)},
   }
   table = "\n".join(
       [f"MLP {depth} x {width}, adam, float32, K={k}, B={micro_batch}; time per window of K jitted, donated "

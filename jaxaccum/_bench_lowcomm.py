@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from jaxaccum import _hlo
+from jaxaccum._bench_common import mlp_loss, mlp_params
 from jaxaccum.lowcomm import diloco, local_sgd
 from jaxaccum.parallel import pmean
 
@@ -75,22 +76,9 @@ def all_reduce_bytes(hlo_text: str) -> collections.Counter:
   return where
 
 
-def _mlp(width: int, depth: int):
-  keys = jax.random.split(jax.random.PRNGKey(0), depth)
-  return [{"w": jax.random.normal(k, (width, width), jnp.float32) / np.sqrt(width),
-           "b": jnp.zeros((width,), jnp.float32)} for k in keys]
-
-
-def _loss(params, batch):
-  x, y = batch
-  for layer in params[:-1]:
-    x = jnp.tanh(x @ layer["w"] + layer["b"])
-  return jnp.mean((x @ params[-1]["w"] + params[-1]["b"] - y) ** 2)
-
-
 def _step_hlo(tx, params, batch, ndev):
   def step(params, state, batch):
-    updates, state = tx.update(jax.grad(_loss)(params, batch), state, params)
+    updates, state = tx.update(jax.grad(mlp_loss)(params, batch), state, params)
     return optax.apply_updates(params, updates), state
 
   rep = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (ndev,) + jnp.shape(a)), t)
@@ -102,7 +90,7 @@ def run(quick: bool = False) -> list[dict]:
   ndev = min(8, jax.device_count())
   width, depth = (64, 2) if quick else (256, 4)
   syncs = (16,) if quick else (4, 16, 64)
-  params = _mlp(width, depth)
+  params = mlp_params(jax.random.PRNGKey(0), width, depth)
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   batch = (jnp.ones((ndev, 8, width), jnp.float32), jnp.zeros((ndev, 8, width), jnp.float32))
   nesterov = optax.sgd(0.7, momentum=0.9, nesterov=True)

@@ -14,58 +14,21 @@ Touches no device at import: `python -m jaxaccum.bench` sets 8 CPU devices first
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
 from jaxaccum import _hlo
+from jaxaccum._bench_common import interleaved_medians, mlp_batch, mlp_loss, mlp_params, tree_bytes
 from jaxaccum import parallel
 from jaxaccum.planner import compiled_memory_bytes
 from jaxaccum.train_step import make_train_step
 
 
-def _params(key, width, depth):
-  keys = jax.random.split(key, depth)
-  return [{"w": jax.random.normal(k, (width, width), jnp.float32) / np.sqrt(width),
-           "b": jnp.zeros((width,), jnp.float32)} for k in keys]
-
-
-def _loss(params, batch):
-  x, y = batch
-  for layer in params[:-1]:
-    x = jnp.tanh(x @ layer["w"] + layer["b"])
-  return jnp.mean((x @ params[-1]["w"] + params[-1]["b"] - y) ** 2)
-
-
-def _batch(key, rows, width):
-  kx, ky = jax.random.split(key)
-  return jax.random.normal(kx, (rows, width), jnp.float32), jax.random.normal(ky, (rows, width), jnp.float32)
-
-
-def _bytes(tree):
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def _medians(runners: dict, repeats: int) -> dict:
-  """Two warm-up calls each, then `repeats` interleaved rounds; median seconds per call."""
-  for run in runners.values():
-    run()
-    run()
-  times = {name: [] for name in runners}
-  for _ in range(repeats):
-    for name, run in runners.items():
-      start = time.perf_counter()
-      run()
-      times[name].append(time.perf_counter() - start)
-  return {name: float(np.median(t)) for name, t in times.items()}
-
-
 def _memory_case(width, depth, rows, k):
-  params = _params(jax.random.PRNGKey(0), width, depth)
+  params = mlp_params(jax.random.PRNGKey(0), width, depth)
   opt = optax.adam(1e-3)
   state = opt.init(params)
   # Shapes only: memory analysis needs no data, so big batches cost a compile, not a run.
@@ -74,12 +37,12 @@ def _memory_case(width, depth, rows, k):
   micro = (jax.ShapeDtypeStruct((rows // k, width), jnp.float32),) * 2
 
   def total(kk, b):
-    step = make_train_step(_loss, opt, num_microbatches=kk)
+    step = make_train_step(mlp_loss, opt, num_microbatches=kk)
     return compiled_memory_bytes(step.lower(spec(params), spec(state), b).compile())
 
   full, mb, one = total(1, batch), total(k, batch), total(1, micro)
-  floor = one + _bytes(params) + 2 * rows * width * 4 - 2 * (rows // k) * width * 4
-  return {"width": width, "depth": depth, "batch": rows, "k": k, "params_bytes": _bytes(params),
+  floor = one + tree_bytes(params) + 2 * rows * width * 4 - 2 * (rows // k) * width * 4
+  return {"width": width, "depth": depth, "batch": rows, "k": k, "params_bytes": tree_bytes(params),
           "full_batch_bytes": full, "microbatch_bytes": mb, "one_microbatch_plus_acc_plus_rest_bytes": floor,
           "ratio_vs_full": mb / full, "ratio_vs_floor": mb / floor}
 
@@ -106,16 +69,16 @@ def _memory(quick):
 def _time(quick):
   width, depth, rows, k = (128, 4, 128, 16) if quick else (512, 4, 128, 16)
   repeats = 3 if quick else 15
-  params = _params(jax.random.PRNGKey(0), width, depth)
+  params = mlp_params(jax.random.PRNGKey(0), width, depth)
   opt = optax.adam(1e-3)
-  batch = _batch(jax.random.PRNGKey(1), rows, width)
+  batch = mlp_batch(jax.random.PRNGKey(1), rows, width)
   big_rows = 4 * rows if quick else 1024
-  big_batch = _batch(jax.random.PRNGKey(2), big_rows, width)
+  big_batch = mlp_batch(jax.random.PRNGKey(2), big_rows, width)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def optax_step(params, state, batch):
     grad_fn = optax.microbatching.microbatch(
-        jax.value_and_grad(_loss), argnums=1, microbatch_size=rows // k,
+        jax.value_and_grad(mlp_loss), argnums=1, microbatch_size=rows // k,
         accumulator=optax.microbatching.AccumulationType.MEAN)
     _, grads = grad_fn(params, batch)
     updates, state = opt.update(grads, state, params)
@@ -126,7 +89,7 @@ def _time(quick):
     # The hand-written floor: contiguous microbatches, sum of grads in a scan.
     mbs = jax.tree.map(lambda x: x.reshape(k, rows // k, *x.shape[1:]), batch)
     def body(acc, mb):
-      return jax.tree.map(jnp.add, acc, jax.grad(_loss)(params, mb)), None
+      return jax.tree.map(jnp.add, acc, jax.grad(mlp_loss)(params, mb)), None
     grads, _ = lax.scan(body, jax.tree.map(jnp.zeros_like, params), mbs)
     updates, state = opt.update(jax.tree.map(lambda g: g / k, grads), state, params)
     return optax.apply_updates(params, updates), state
@@ -139,18 +102,18 @@ def _time(quick):
       jax.block_until_ready(carry)
     return run
 
-  times = _medians({
-      "full batch (K=1)": runner(make_train_step(_loss, opt)),
-      f"ja.make_train_step K={k}": runner(make_train_step(_loss, opt, num_microbatches=k)),
+  times = interleaved_medians({
+      "full batch (K=1)": runner(make_train_step(mlp_loss, opt)),
+      f"ja.make_train_step K={k}": runner(make_train_step(mlp_loss, opt, num_microbatches=k)),
       f"optax.microbatching.microbatch K={k}": runner(optax_step),
       f"hand-written lax.scan K={k}": runner(scan_step),
   }, repeats)
   # The same model with microbatches of 64-256 rows: where the per-microbatch cost
   # (a params-sized gradient written and added) no longer dominates.
-  big = _medians({
-      f"full batch (K=1), B={big_rows}": runner(make_train_step(_loss, opt), big_batch),
-      f"ja.make_train_step K=4, B={big_rows}": runner(make_train_step(_loss, opt, num_microbatches=4), big_batch),
-      f"ja.make_train_step K={k}, B={big_rows}": runner(make_train_step(_loss, opt, num_microbatches=k), big_batch),
+  big = interleaved_medians({
+      f"full batch (K=1), B={big_rows}": runner(make_train_step(mlp_loss, opt), big_batch),
+      f"ja.make_train_step K=4, B={big_rows}": runner(make_train_step(mlp_loss, opt, num_microbatches=4), big_batch),
+      f"ja.make_train_step K={k}, B={big_rows}": runner(make_train_step(mlp_loss, opt, num_microbatches=k), big_batch),
   }, repeats)
   base = times["full batch (K=1)"]
   big_base = big[f"full batch (K=1), B={big_rows}"]
@@ -176,21 +139,21 @@ def _all_reduces(quick):
   width, depth, k = (32, 2, 16) if quick else (128, 4, 16)
   n = jax.device_count()
   rows = n * k * 2
-  params = _params(jax.random.PRNGKey(0), width, depth)
+  params = mlp_params(jax.random.PRNGKey(0), width, depth)
   opt = optax.adam(1e-3)
-  batch = _batch(jax.random.PRNGKey(1), rows, width)
+  batch = mlp_batch(jax.random.PRNGKey(1), rows, width)
   mesh = parallel.data_mesh()
   args = (parallel.replicate(params, mesh), parallel.replicate(opt.init(params), mesh),
           parallel.shard_batch(batch, mesh))
   counts = {}
   counts["ja.make_train_step"] = _per_update(
-      make_train_step(_loss, opt, num_microbatches=k, mesh=mesh).lower(*args).compile().as_text())
+      make_train_step(mlp_loss, opt, num_microbatches=k, mesh=mesh).lower(*args).compile().as_text())
 
   # pmap + pmean + MultiSteps: one micro-step per call, K calls per update.
   ms = optax.MultiSteps(optax.chain(parallel.pmean("data"), opt), k)
 
   def micro_step(params, state, batch):
-    grads = jax.grad(_loss)(params, batch)
+    grads = jax.grad(mlp_loss)(params, batch)
     updates, state = ms.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
@@ -204,7 +167,7 @@ def _all_reduces(quick):
   def scan_step(params, state, batch):
     def body(acc, i):
       mb = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:])[:, i], batch)
-      return jax.tree.map(jnp.add, acc, jax.grad(_loss)(params, mb)), None
+      return jax.tree.map(jnp.add, acc, jax.grad(mlp_loss)(params, mb)), None
     grads, _ = lax.scan(body, jax.tree.map(jnp.zeros_like, params), jnp.arange(k))
     updates, state = opt.update(jax.tree.map(lambda g: g / k, grads), state, params)
     return optax.apply_updates(params, updates), state
