@@ -21,4 +21,12 @@ from jaxaccum import schedules
 from jaxaccum import flax
 from jaxaccum import checkpoint
 
+__all__ = [
+    "AccumulateState", "accumulate", "has_updated",
+    "microbatch", "make_train_step", "plan_microbatches",
+    "pmean", "psum", "data_mesh", "shard_batch", "replicate",
+    "local_sgd", "diloco", "stale",
+    "schedules", "flax", "checkpoint",
+]
+
 __version__ = "0.1.0"

@@ -35,7 +35,6 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxaccum import _tree
-from jaxaccum import parallel
 from jaxaccum.microbatch import microbatch
 
 

@@ -113,7 +113,7 @@ def test_linen_batchnorm_and_dropout_under_jit():
   variables = model.init(jax.random.PRNGKey(0), batches[0][0], train=False)
   # linen creates running statistics in float32: take them to float64 for the 1e-12 comparisons.
   variables = {**variables, "batch_stats": jax.tree.map(lambda s: s.astype(jnp.float64), variables["batch_stats"])}
-  k, momentum = 2, 0.8
+  k = 2
 
   def loss_and_stats(params, stats, batch, key):
     x, y = batch

@@ -1,7 +1,6 @@
 """plan_microbatches(): the smallest K whose compiled footprint fits, from XLA's memory analysis."""
 
 import jax
-import numpy as np
 import optax
 import pytest
 
