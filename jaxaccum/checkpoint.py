@@ -80,6 +80,13 @@ def _abstract(x):
   raise TypeError(f"like holds a {type(x).__name__} leaf ({x!r}); restore needs arrays or jax.ShapeDtypeStruct")
 
 
+def _as_stored(abstract):
+  """The shape and dtype orbax writes for a leaf: a typed PRNG key is stored as its raw key data."""
+  if jax.dtypes.issubdtype(abstract.dtype, jax.dtypes.prng_key):
+    return jax.eval_shape(jax.random.key_data, abstract)
+  return abstract
+
+
 def restore(path, like):
   """Reads the checkpoint at `path` into the structure, dtypes and shardings of `like`.
 
@@ -114,7 +121,7 @@ def restore(path, like):
       if name not in wanted:
         raise ValueError(f"checkpoint at {path} does not match like: the checkpoint has a leaf at {name!r} "
                          "that like lacks")
-      s, w = stored[name], wanted[name]
+      s, w = stored[name], _as_stored(wanted[name])
       if tuple(s.shape) != tuple(w.shape) or jax.numpy.dtype(s.dtype) != jax.numpy.dtype(w.dtype):
         raise ValueError(f"checkpoint at {path} does not match like at {name!r}: stored "
                          f"{s.dtype}{list(s.shape)}, like {w.dtype}{list(w.shape)}")

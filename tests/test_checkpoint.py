@@ -104,10 +104,12 @@ class Net(nnx.Module):
     self.bn = nnx.BatchNorm(8, param_dtype=jnp.float64, rngs=rngs)
     self.bn.mean = nnx.BatchStat(jnp.zeros(8, jnp.float64))  # nnx creates them in float32
     self.bn.var = nnx.BatchStat(jnp.ones(8, jnp.float64))
+    # Dropout keeps a typed PRNG key and a counter in the state: both must round-trip.
+    self.drop = nnx.Dropout(0.25, rngs=rngs)
     self.l2 = nnx.Linear(8, 2, param_dtype=jnp.float64, rngs=rngs)
 
   def __call__(self, x):
-    return self.l2(jnp.tanh(self.bn(self.l1(x))))
+    return self.l2(self.drop(jnp.tanh(self.bn(self.l1(x)))))
 
 
 def test_resume_nnx_state(tmp_path):
