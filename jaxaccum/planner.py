@@ -55,6 +55,21 @@ def compiled_memory_bytes(compiled) -> int:
              - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
 
 
+def _rows_per_device(x) -> int | None:
+  """Leading size of one device's shard of `x` (all of it when unsharded); None for a scalar.
+
+  With the batch split over a mesh, K must divide each device's rows, not the
+  global batch (`make_train_step` refuses the rest).
+  """
+  shape = tuple(getattr(x, "shape", None) or jnp.shape(x))  # ShapeDtypeStructs included
+  if not shape:
+    return None
+  sharding = getattr(x, "sharding", None)
+  if sharding is not None:
+    shape = sharding.shard_shape(shape)
+  return shape[0]
+
+
 def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -80,9 +95,10 @@ def plan_microbatches(
     *example_args: the step's positional arguments.
     memory_budget_bytes: bytes available per device (e.g. a fraction of
       `jax.devices()[0].memory_stats()["bytes_limit"]` on GPU/TPU).
-    candidates: Ks to try, default the divisors of the leading size of the
-      batch, `example_args[batch_argnum]`. Tried in ascending order; compiling
-      stops at the first that fits.
+    candidates: Ks to try, default the divisors of the number of rows of the
+      batch, `example_args[batch_argnum]`, that each device holds (the global
+      batch size without a sharding). Tried in ascending order; compiling stops
+      at the first that fits.
     batch_argnum: which example argument is the batch (default 2, the
       `make_train_step` convention `step(params, opt_state, batch[, key])`);
       only used to derive the default candidates.
@@ -103,12 +119,11 @@ def plan_microbatches(
   if candidates is None:
     if not -len(example_args) <= batch_argnum < len(example_args):
       raise ValueError(f"{batch_argnum=} is out of range for {len(example_args)} example arguments")
-    # getattr: example leaves may be jax.ShapeDtypeStructs, which np.shape does not see through.
-    shapes = [getattr(x, "shape", None) or jnp.shape(x) for x in jax.tree.leaves(example_args[batch_argnum])]
-    shapes = [s for s in shapes if len(s)]
-    if not shapes:
+    rows = [_rows_per_device(x) for x in jax.tree.leaves(example_args[batch_argnum])]
+    rows = [r for r in rows if r is not None]
+    if not rows:
       raise ValueError(f"example_args[{batch_argnum}] holds no array with a batch axis")
-    candidates = _divisors(shapes[0][0])
+    candidates = _divisors(rows[0])
   else:
     candidates = sorted({_tree.check_positive_int(k, "candidates") for k in candidates})
     if not candidates:

@@ -47,3 +47,15 @@ def test_nothing_fits_names_smallest_total():
     ja.plan_microbatches(None, *args, memory_budget_bytes=1)
   with pytest.raises(ValueError, match="candidates=0"):
     ja.plan_microbatches(factory, *args, memory_budget_bytes=1, candidates=[0])
+
+
+def test_default_candidates_divide_each_devices_rows_on_a_mesh():
+  """With the batch split over 8 devices, K must divide the 8 rows a device holds, not the 64 in all."""
+  mesh = ja.data_mesh()
+  params = mlp_init(jax.random.PRNGKey(0), (3, 4, 2))
+  opt = optax.sgd(0.1)
+  args = (ja.replicate(params, mesh), ja.replicate(opt.init(params), mesh),
+          ja.shard_batch(regression_data(jax.random.PRNGKey(1), 64), mesh))
+  factory = lambda k: ja.make_train_step(mse_loss, opt, num_microbatches=k, mesh=mesh)
+  with pytest.raises(ValueError, match=r"no num_microbatches in \[1, 2, 4, 8\] fits"):
+    ja.plan_microbatches(factory, *args, memory_budget_bytes=1)
