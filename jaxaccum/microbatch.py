@@ -219,13 +219,8 @@ def _finish(acc, wsum, like, axis_name):
   """(sum w o, sum w) -> sum w o / sum w, all-reduced first when `axis_name` is given."""
   if axis_name is not None:
     parallel.check_varying(acc, axis_name, arg="outputs")
-    if parallel.vma_tracking(axis_name):
-      # One psum over operands of mixed varying-ness lowers to several
-      # all-reduces (invariant ones apart); cast all to varying to get one.
-      names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-      def vary(x):
-        missing = tuple(n for n in names if n not in (parallel._varying_axes(x) or frozenset()))
-        return lax.pcast(x, missing, to="varying") if missing else x
-      acc, wsum = jax.tree.map(vary, (acc, wsum))
+    # One psum over operands of mixed varying-ness lowers to several
+    # all-reduces (invariant ones apart); cast all to varying to get one.
+    acc, wsum = parallel.to_varying((acc, wsum), axis_name)
     acc, wsum = parallel.all_reduce_sum((acc, wsum), axis_name)
   return jax.tree.map(lambda a, o: (a / wsum.astype(a.dtype)).astype(o.dtype), acc, like)

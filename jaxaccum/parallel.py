@@ -103,6 +103,19 @@ def vma_tracking(axis_name) -> bool:
   return vma is not None and all(n in vma for n in names)
 
 
+def to_varying(tree, axis_name):
+  """Casts every leaf of `tree` to varying over `axis_name` where it is not yet (a no-op under pmap)."""
+  if not vma_tracking(axis_name):
+    return tree
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+  def vary(x):
+    missing = tuple(n for n in names if n not in (_varying_axes(x) or frozenset()))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(vary, tree)
+
+
 def check_varying(tree, axis_name, arg: str = "grads") -> None:
   """Raises when `tree` is already reduced over `axis_name` (see the module docstring)."""
   if not vma_tracking(axis_name):
@@ -116,7 +129,8 @@ def check_varying(tree, axis_name, arg: str = "grads") -> None:
           "jax.shard_map, a gradient with respect to replicated parameters has already been "
           "summed over the axis by autodiff, so averaging it again would scale it by the axis "
           "size. Cast the parameters to varying before taking the gradient: "
-          f"params = jax.lax.pcast(params, {axis_name!r}, to='varying').")
+          f"params = jax.lax.pcast(params, {axis_name!r}, to='varying'). (If this is not a gradient but "
+          "a value that is the same on every device, e.g. a constant, cast that value to varying instead.)")
 
 
 def all_reduce_sum(tree, axis_name, comm_dtype=None):

@@ -35,6 +35,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxaccum import _tree
+from jaxaccum import parallel
 from jaxaccum.microbatch import microbatch
 
 
@@ -114,8 +115,13 @@ def make_train_step(
     elif key is not None:
       key = jax.random.fold_in(key, 0)
     args = (diff_params, batch) if key is None else (diff_params, batch, key)
+    fun = grad_fn
+    if axis is not None:
+      # The parameters are varying, so the gradients are per device by construction;
+      # a loss or aux that is the same on every device (a constant) is then fine too.
+      fun = lambda *a: parallel.to_varying(grad_fn(*a), axis)
     value, grads = microbatch(
-        grad_fn, k, batch_argnums=1, weight_fn=weight_fn,
+        fun, k, batch_argnums=1, weight_fn=weight_fn,
         key_argnum=None if key is None else 2, axis_name=axis)(*args)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)

@@ -82,6 +82,19 @@ def test_weighted_aux_metrics_on_mesh(problem):
   np.testing.assert_allclose(metrics["aux"]["n"], np.sum(groups**2) / np.sum(groups), rtol=RTOL)
 
 
+def test_constant_aux_on_mesh(problem):
+  """An aux value that is the same on every device (not data-dependent) is averaged to itself, not refused."""
+  params, loss_fn, data = problem
+  mesh = ja.data_mesh()
+  opt = optax.sgd(0.1)
+  with_const = lambda p, b: (loss_fn(p, b), {"lr": jnp.float64(0.1), "two": 2.0 * jnp.ones(3)})
+  step = ja.make_train_step(with_const, opt, num_microbatches=3, mesh=mesh, has_aux=True, donate=False)
+  _, _, metrics = step(ja.replicate(params, mesh), ja.replicate(opt.init(params), mesh), ja.shard_batch(data, mesh))
+  np.testing.assert_allclose(metrics["aux"]["lr"], 0.1, rtol=RTOL)
+  np.testing.assert_allclose(metrics["aux"]["two"], 2.0 * np.ones(3), rtol=RTOL)
+  np.testing.assert_allclose(metrics["loss"], loss_fn(params, data), rtol=RTOL)
+
+
 @pytest.mark.parametrize("devices", [None, 4])
 def test_key_per_device_and_microbatch(problem, devices):
   """loss_fn gets fold_in(fold_in(key, device), i): the mean of the draws shows exactly which keys."""
