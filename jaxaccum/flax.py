@@ -209,7 +209,8 @@ class TrainState(flax_train_state.TrainState):
     if not isinstance(self.opt_state, AccumulateState):
       # A plain optax transformation: flax's semantics, step counts calls.
       if weight is not None:
-        raise TypeError(f"{weight=} needs tx=ja.accumulate(...); {type(self.opt_state).__name__} takes no weight")
+        raise TypeError(f"{weight=} needs tx=ja.accumulate(...); this TrainState's tx is not one (its state "
+                        f"is a {type(self.opt_state).__name__})")
       _tree.check_same_structure(grads, self.params, "grads", "state.params")
       updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
       extra = {} if batch_stats is None else {"batch_stats": batch_stats}
@@ -266,10 +267,22 @@ class AccumulatingOptimizer(nnx.Optimizer):
   With any other optax `tx` it is `nnx.Optimizer`.
   """
 
-  def __init__(self, model, tx: optax.GradientTransformation, *, wrt, batch_stats=nnx.BatchStat, graph=None):
-    """Args as `nnx.Optimizer`, plus `batch_stats`: the filter of statistics averaged per window (None: none)."""
+  def __init__(self, model, tx: optax.GradientTransformation, *, wrt, batch_stats=nnx.BatchStat,
+               axis_name=None, graph=None):
+    """Args as `nnx.Optimizer`, plus:
+
+    Args:
+      batch_stats: the filter of the statistics averaged per window (None: none).
+      axis_name: inside pmap/shard_map, the data axis over which the window-end
+        statistics are also averaged (one psum of the small statistics tree per
+        window, none on micro-steps). Gradients are averaged by
+        `ja.accumulate(..., axis_name=...)`, not here.
+    """
+    if axis_name is not None:
+      parallel.validate_axis_name(axis_name)
     super().__init__(model, tx, wrt=wrt, graph=graph)
     self.stats_filter = batch_stats
+    self.axis_name = axis_name
     stats = None
     if batch_stats is not None:
       stats = nnx.as_pure(nnx.state(model, batch_stats, graph=graph))
@@ -310,7 +323,7 @@ class AccumulatingOptimizer(nnx.Optimizer):
     """
     if not self._accumulating():
       if weight is not None:
-        raise TypeError(f"{weight=} needs tx=ja.accumulate(...)")
+        raise TypeError(f"{weight=} needs tx=ja.accumulate(...); this optimizer's tx is not one")
       return super().update(model, grads, **kwargs)
     param_arrays = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
     grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
@@ -329,9 +342,13 @@ class AccumulatingOptimizer(nnx.Optimizer):
           current, nnx.as_pure(self.stats_sum), nnx.as_pure(self.stats_weight), weight,
           old_opt_state.micro_step == 0, _kept(old_opt_state, opt_state))
       window_end = opt_state.micro_step == 0
-      mean = _window_mean(stats_sum, stats_weight, start, None)
-      # Statistics are small: a select is cheaper than a cond here.
-      stats = jax.tree.map(lambda m, s: jnp.where(window_end, m, s), mean, start)
+      if self.axis_name is None:
+        # Statistics are small: a select is cheaper than a cond here.
+        mean = _window_mean(stats_sum, stats_weight, start, None)
+        stats = jax.tree.map(lambda m, s: jnp.where(window_end, m, s), mean, start)
+      else:  # the all-reduce only in the window-end branch
+        stats = parallel.cond(window_end, lambda ops: _window_mean(*ops, self.axis_name), lambda ops: ops[2],
+                              (stats_sum, stats_weight, start))
 
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))

@@ -416,6 +416,37 @@ def test_nnx_skip_nonfinite_drops_the_microbatch_statistics_too():
   assert int(optimizer.step[...]) == 1
 
 
+def test_nnx_batch_stats_averaged_over_devices_with_axis_name():
+  """AccumulatingOptimizer(axis_name=...) under pmap: window-end statistics are the weighted mean over devices."""
+  n, k = 4, 2
+  model = NNXModel(nnx.Rngs(0), batchnorm=True)
+  optimizer = ja.flax.AccumulatingOptimizer(
+      model, ja.accumulate(optax.sgd(0.1), k, axis_name="d"), wrt=nnx.Param, axis_name="d")
+  graphdef, state = nnx.split((model, optimizer))
+  params0 = nnx.as_pure(nnx.state(model, nnx.Param))
+  states = jax.tree.map(lambda x: jnp.stack([x] * n), nnx.as_pure(state))  # per device: the sums differ
+
+  def feed(state, mean, g, weight):  # one microbatch on one device
+    m, o = nnx.merge(graphdef, state)
+    m.bn.mean[...] = mean  # what its training-mode forward pass would leave behind
+    o.update(m, jax.tree.map(lambda p: jnp.full_like(p, g), nnx.state(m, nnx.Param)), weight=weight)
+    return nnx.as_pure(nnx.state((m, o)))
+
+  step = jax.pmap(feed, axis_name="d")
+  rng = np.random.default_rng(0)
+  means, gs, weights = rng.normal(size=(k, n, 8)), rng.normal(size=(k, n)), rng.integers(1, 9, size=(k, n)) * 1.0
+  for i in range(k):
+    states = step(states, means[i], gs[i], weights[i])
+  model_state = states[0]
+  expected_mean = (weights[..., None] * means).sum((0, 1)) / weights.sum()
+  expected_step = (weights * gs).sum() / weights.sum()
+  for d in range(n):
+    np.testing.assert_allclose(model_state["bn"]["mean"][d], expected_mean, rtol=RTOL)
+    np.testing.assert_allclose(model_state["l1"]["kernel"][d], params0["l1"]["kernel"] - 0.1 * expected_step,
+                               rtol=RTOL)
+  assert np.all(np.asarray(states[1]["step"]) == 1)
+
+
 def test_nnx_bad_input():
   model = NNXModel(nnx.Rngs(0))
   grads = nnx.grad(nnx_loss)(model, regression_data(jax.random.PRNGKey(1), 4))
@@ -428,3 +459,5 @@ def test_nnx_bad_input():
     plain.update(model, grads, weight=2.0)
   with pytest.raises(TypeError, match="wrt"):
     ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.sgd(0.1), 2))
+  with pytest.raises(TypeError, match="axis_name=3"):
+    ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.sgd(0.1), 2), wrt=nnx.Param, axis_name=3)
