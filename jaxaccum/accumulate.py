@@ -139,9 +139,10 @@ def accumulate(
       (`lax.pcast(params, axis_name, to="varying")`); gradients already summed
       by autodiff over replicated parameters raise a ValueError. The state is
       per device: between window ends `acc_grads` and `acc_weight` hold each
-      device's own partial sums, so keep the state with a leading device axis
-      (pmap: `in_axes=0, out_axes=0`; shard_map: those two fields sharded
-      `P(axis_name)`). Everything else in it agrees across devices.
+      device's own partial sums, and `num_skipped` counts each device's own
+      dropped microbatches. Keep the state with a leading device axis (pmap:
+      `in_axes=0, out_axes=0`; shard_map: those three fields sharded
+      `P(axis_name)`); the other fields agree across devices.
     accumulator_dtype: dtype of the running sum. None: the wider of float32 and
       each gradient's dtype (bf16 -> float32, float64 stays float64).
     comm_dtype: dtype on the wire for the window-end all-reduce (e.g.
@@ -321,5 +322,8 @@ def accumulate(
       raise ValueError("apply_gradients needs params")
     return step(grads, state, params, weight, extra_args, apply=True)
 
+  # Tagged with its own `update`: a wrapper made with functools.wraps copies the
+  # attribute, and must not have its own update bypassed (see `ja.flax`).
+  apply_gradients.update = update
   update.apply_gradients = apply_gradients
   return optax.GradientTransformationExtraArgs(init, update)

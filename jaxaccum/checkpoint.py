@@ -128,4 +128,6 @@ def restore(path, like):
     try:
       return checkpointer.restore(path, abstract)
     except ValueError as e:  # same leaves, other containers (e.g. adam's state against adamw's)
+      if "structure" not in str(e):
+        raise
       raise ValueError(f"checkpoint at {path} does not match like: {e}") from None

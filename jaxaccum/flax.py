@@ -61,7 +61,7 @@ def _apply_accumulated(tx, grads, opt_state, params, weight, extra_args):
   a `lax.cond` on `updated` that keeps the parameters on micro-steps.
   """
   fused = getattr(tx.update, "apply_gradients", None)
-  if fused is not None:
+  if fused is not None and getattr(fused, "update", None) is tx.update:
     return fused(grads, opt_state, params, weight=weight, **extra_args)
   updates, opt_state = tx.update(grads, opt_state, params, weight=weight, **extra_args)
   params = parallel.cond(

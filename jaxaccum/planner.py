@@ -97,8 +97,10 @@ def plan_microbatches(
       `jax.devices()[0].memory_stats()["bytes_limit"]` on GPU/TPU).
     candidates: Ks to try, default the divisors of the number of rows of the
       batch, `example_args[batch_argnum]`, that each device holds (the global
-      batch size without a sharding). Tried in ascending order; compiling stops
-      at the first that fits.
+      batch size without a sharding: pass the batch with the sharding the real
+      call will have, e.g. through `ja.shard_batch`, or `make_train_step` with
+      a mesh refuses the K that do not divide a device's rows). Tried in
+      ascending order; compiling stops at the first that fits.
     batch_argnum: which example argument is the batch (default 2, the
       `make_train_step` convention `step(params, opt_state, batch[, key])`);
       only used to derive the default candidates.

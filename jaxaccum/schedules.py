@@ -301,7 +301,7 @@ def microbatches_consumed(schedule: Callable[[Any], Any], update_count):
     if b > top:  # never reached by a counter of this dtype
       break
     upper = count if e is None or e > top else jnp.minimum(count, e)
-    total = total + v * jnp.maximum(upper - b, 0)
+    total = total + v * (jnp.maximum(upper, b) - b)  # never below 0, so unsigned counters do not wrap
   return total
 
 

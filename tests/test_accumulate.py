@@ -252,18 +252,37 @@ def test_fused_apply_gradients_is_update_then_apply_updates(problem, k, skip_non
     tx.update.apply_gradients(jax.tree.map(jnp.zeros_like, params), tx.init(params), params[:1])
 
 
-def test_fused_apply_gradients_bf16_params():
+def test_fused_apply_gradients_mixed_dtypes_against_plain_arithmetic():
+  """bf16 and float32 params through the fused path: dtypes kept, values as written out by hand."""
   params = {"w": jnp.ones((4, 3), jnp.bfloat16), "b": jnp.zeros((3,), jnp.float32)}
-  tx = ja.accumulate(optax.adam(0.1), 2)
-  grads = {"w": jnp.full((4, 3), 0.3, jnp.bfloat16), "b": jnp.full((3,), -0.5, jnp.float32)}
-  state_a = state_b = tx.init(params)
-  p_a = p_b = params
-  for _ in range(4):
-    updates, state_a = tx.update(grads, state_a, p_a)
-    p_a = optax.apply_updates(p_a, updates)
-    p_b, state_b = jax.jit(tx.update.apply_gradients)(grads, state_b, p_b)
-  assert p_b["w"].dtype == jnp.bfloat16 and p_b["b"].dtype == jnp.float32
-  chex.assert_trees_all_close(p_b, p_a, rtol=1e-2)  # bf16: one rounding of the sum at most
+  tx = ja.accumulate(optax.sgd(0.5), 2)
+  grads = [{"w": jnp.full((4, 3), 0.25 * (i + 1), jnp.bfloat16), "b": jnp.arange(3.0, dtype=jnp.float32) * (i - 1.5)}
+           for i in range(4)]
+  fused = jax.jit(tx.update.apply_gradients)
+  p, state = params, tx.init(params)
+  for g in grads:
+    p, state = fused(g, state, p)
+  assert p["w"].dtype == jnp.bfloat16 and p["b"].dtype == jnp.float32
+  # Window means of the grads (summed in float32), times -0.5, applied twice.
+  mean_w = [(0.25 + 0.5) / 2, (0.75 + 1.0) / 2]
+  mean_b = [np.arange(3.0) * ((-1.5 - 0.5) / 2), np.arange(3.0) * ((0.5 + 1.5) / 2)]
+  np.testing.assert_allclose(np.asarray(p["b"]), -0.5 * (mean_b[0] + mean_b[1]), rtol=1e-6, atol=1e-7)
+  expected_w = np.float32(jnp.bfloat16(jnp.bfloat16(1.0 - 0.5 * mean_w[0]) - jnp.bfloat16(0.5 * mean_w[1])))
+  np.testing.assert_allclose(np.asarray(p["w"], np.float32), expected_w, rtol=1e-2)
+
+
+def test_a_wrapped_update_is_not_bypassed_by_the_fused_path():
+  """ja.flax takes the fused path only for ja.accumulate's own update, not a functools.wraps copy of it."""
+  tx = ja.accumulate(optax.sgd(1.0), 1)
+
+  @functools.wraps(tx.update)  # copies the apply_gradients attribute along with the name
+  def clipped(grads, state, params=None, **kw):
+    return tx.update(jax.tree.map(lambda g: jnp.clip(g, -1.0, 1.0), grads), state, params, **kw)
+
+  state = ja.flax.TrainState.create(apply_fn=None, params={"w": jnp.zeros(2)},
+                                    tx=optax.GradientTransformationExtraArgs(tx.init, clipped))
+  state = state.apply_gradients(grads={"w": jnp.full(2, 10.0)})
+  np.testing.assert_array_equal(state.params["w"], -np.ones(2))
 
 
 # ----------------------------------------------------------------------------- skipping non-finite
@@ -477,6 +496,44 @@ def _squeeze_step(local_step, p, s, batch):
   s = s._replace(acc_grads=jax.tree.map(lambda a: a[0], s.acc_grads), acc_weight=s.acc_weight[0])
   p, s = local_step(p, s, batch)
   return p, s._replace(acc_grads=jax.tree.map(lambda a: a[None], s.acc_grads), acc_weight=s.acc_weight[None])
+
+
+def test_shard_map_recipe_with_skip_nonfinite_and_the_fused_path():
+  """The README's shard_map recipe, verbatim: per-device fields sharded, a NaN on one device dropped."""
+  n, k = 8, 2
+  params = mlp_init(jax.random.PRNGKey(4), (3, 6, 2))
+  x, y = regression_data(jax.random.PRNGKey(5), n * k * 4)
+  micro = [(x[i::k], y[i::k]) for i in range(k)]  # k microbatches of n * 4 rows, 4 per device
+  bad_x = micro[1][0].at[4 * 3, 0].set(jnp.nan)  # device 3's rows of microbatch 1 hold a NaN
+  micro[1] = (bad_x, micro[1][1])
+  mesh = ja.data_mesh("data")
+  tx = ja.accumulate(optax.adam(0.05), k, axis_name="data", skip_nonfinite=True)
+
+  def local_step(params, state, batch):  # the fused path, as ja.flax uses it
+    grads = jax.grad(mse_loss)(lax.pcast(params, "data", to="varying"), batch)
+    return tx.update.apply_gradients(grads, state, params, weight=jnp.float64(batch[0].shape[0]))
+
+  # --- from the README
+  def per_device(state, f):
+    return state._replace(acc_grads=jax.tree.map(f, state.acc_grads), acc_weight=f(state.acc_weight),
+                          num_skipped=f(state.num_skipped))
+
+  state = per_device(tx.init(params), lambda a: jnp.stack([a] * n))
+  spec = per_device(jax.tree.map(lambda _: P(), state), lambda _: P("data"))
+
+  def body(params, state, batch):
+    params, state = local_step(params, per_device(state, lambda a: a[0]), batch)
+    return params, per_device(state, lambda a: a[None])
+
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), spec, P("data")), out_specs=(P(), spec)))
+  # ---
+  p = params
+  for m in micro:
+    p, state = step(p, state, m)
+  assert np.asarray(state.num_skipped).tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
+  kept = [micro[0], (jnp.delete(micro[1][0], jnp.arange(12, 16), axis=0), jnp.delete(micro[1][1], jnp.arange(12, 16), axis=0))]
+  expected = full_batch_run(optax.adam(0.05), params, mse_loss, [kept])
+  chex.assert_trees_all_close(p, expected[0], rtol=RTOL, atol=0)
 
 
 def test_shard_map_pitfall_is_caught():

@@ -461,3 +461,14 @@ def test_nnx_bad_input():
     ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.sgd(0.1), 2))
   with pytest.raises(TypeError, match="axis_name=3"):
     ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.sgd(0.1), 2), wrt=nnx.Param, axis_name=3)
+
+  # A model whose statistics no longer match those at construction: refused before anything is written.
+  bn_model = NNXModel(nnx.Rngs(0), batchnorm=True)
+  bn_optimizer = ja.flax.AccumulatingOptimizer(bn_model, ja.accumulate(optax.sgd(0.1), 2), wrt=nnx.Param)
+  bn_grads = nnx.grad(nnx_loss)(bn_model, regression_data(jax.random.PRNGKey(1), 4))
+  before = nnx.as_pure(nnx.state((bn_model, bn_optimizer)))
+  bn_model.extra = nnx.BatchStat(jnp.zeros(2))
+  with pytest.raises(ValueError, match="BatchStat.* does not match those at construction"):
+    bn_optimizer.update(bn_model, bn_grads)
+  del bn_model.extra
+  chex.assert_trees_all_equal(nnx.as_pure(nnx.state((bn_model, bn_optimizer))), before)

@@ -93,6 +93,8 @@ def test_from_lr_decay_rounding_and_edge_cases():
   assert int(far(jnp.int32(2**31 - 1))) == 1 and far(2**41) == 2
   assert int(schedules.from_lr_decay(1, {300: 0.5})(jnp.uint8(255))) == 1
   assert int(schedules.microbatches_consumed(far, jnp.int32(7))) == 7
+  # Unsigned counters do not wrap below a boundary not yet reached.
+  assert int(schedules.microbatches_consumed(schedules.from_lr_decay(1, {100: 0.5}), jnp.uint32(5))) == 5
 
 
 @pytest.mark.parametrize("base_k, boundaries_and_scales, momentum", [
