@@ -70,27 +70,32 @@ def _manual_axes() -> tuple:
 
 
 def cond(pred, true_fun, false_fun, operands):
-  """`lax.cond` whose branches may differ in which manual axes their outputs vary over.
+  """`lax.cond` whose branches may differ in output dtypes or in the manual axes they vary over.
 
-  Inside `jax.shard_map` (check_vma=True) an all-reduced value is invariant
-  while a local one is varying, and `lax.cond` requires both branches to agree.
-  Each output leaf is cast to varying over the union of the two branches' axes
-  (found by tracing both with `jax.eval_shape`; nothing extra is compiled).
-  Elsewhere this is plain `lax.cond`.
+  Dtypes: an optimizer state may change dtype when `inner` runs (optax's adam
+  promotes a bf16 moment to float32 on its first float32 gradient), while the
+  branch that passes the state through keeps the old one; each output leaf is
+  cast to the promotion of the two, as a plain optax step would leave it.
+  Varying axes: inside `jax.shard_map` (check_vma=True) an all-reduced value is
+  invariant while a local one is varying; each output leaf is cast to varying
+  over the union of the two branches' axes. Both are found by tracing the
+  branches with `jax.eval_shape` (trace time only; nothing extra is compiled).
   """
-  if not _manual_axes():
-    return lax.cond(pred, true_fun, false_fun, operands)
   true_out = jax.eval_shape(true_fun, operands)
   false_out = jax.eval_shape(false_fun, operands)
-  joined = jax.tree.map(
+  dtypes = jax.tree.map(lambda a, b: jnp.promote_types(a.dtype, b.dtype), true_out, false_out)
+  manual = bool(_manual_axes())
+  axes = jax.tree.map(
       lambda a, b: (_varying_axes(a) or frozenset()) | (_varying_axes(b) or frozenset()), true_out, false_out)
 
   def widen(fun):
     def wrapped(ops):
-      def cast(x, axes):
-        missing = tuple(sorted(axes - (_varying_axes(x) or frozenset())))
+      def cast(x, dtype, axes):
+        if x.dtype != dtype:
+          x = x.astype(dtype)
+        missing = tuple(sorted(axes - (_varying_axes(x) or frozenset()))) if manual else ()
         return lax.pcast(x, missing, to="varying") if missing else x
-      return jax.tree.map(cast, fun(ops), joined)
+      return jax.tree.map(cast, fun(ops), dtypes, axes)
     return wrapped
 
   return lax.cond(pred, widen(true_fun), widen(false_fun), operands)

@@ -378,6 +378,30 @@ def test_dtypes_bf16_params_mixed_inner_state():
   assert ja.accumulate(inner, 2, accumulator_dtype=jnp.float64).init(params).acc_grads["w"].dtype == jnp.float64
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_inner_state_that_changes_dtype_when_inner_runs(fused):
+  """bf16 params, float32 grads: optax's adam promotes its bf16 moments to float32 on the first
+  update, while the micro-step branch would keep them bf16; the state takes the promoted dtype,
+  as plain optax leaves it, and the updates equal plain optax on the window means."""
+  params = {"w": jnp.ones((2, 3), jnp.bfloat16), "b": jnp.zeros((3,), jnp.float32)}
+  inner = optax.adam(0.1)
+  grads = [{"w": jnp.full((2, 3), 0.1 * (i + 1), jnp.float32), "b": jnp.arange(3.0, dtype=jnp.float32) - i}
+           for i in range(4)]
+  tx = ja.accumulate(inner, 2)
+  state, p = tx.init(params), params
+  step = jax.jit(tx.update.apply_gradients if fused else
+                 lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+  ref_state, ref_p = inner.init(params), params
+  for i, g in enumerate(grads):
+    p, state = step(g, state, p)
+    if i % 2:
+      mean = jax.tree.map(lambda a, b: (a + b) / 2, grads[i - 1], g)
+      updates, ref_state = inner.update(mean, ref_state, ref_p)
+      ref_p = optax.apply_updates(ref_p, updates)
+      chex.assert_trees_all_equal(p, ref_p)
+  assert state.inner_state[0].mu["w"].dtype == ref_state[0].mu["w"].dtype == jnp.float32
+
+
 def test_vmap_over_independent_problems(problem):
   params, loss_fn, data = problem
   tx = ja.accumulate(optax.adam(0.05), 2)
