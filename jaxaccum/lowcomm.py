@@ -85,6 +85,18 @@ def _check_params(params, name: str):
         f"update(grads, state, params) (optax.chain passes params through)")
 
 
+def _local_inner_update(name, inner, axis_name, grads, state, params, extra_args):
+  """The start of every low-communication update: check the call, run `inner` on this replica's gradient.
+
+  Returns (axis size, local updates, new inner state).
+  """
+  _check_params(params, name)
+  size = parallel.check_axis_name(axis_name)
+  parallel.check_varying(grads, axis_name)
+  local, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+  return size, local, inner_state
+
+
 def _zeros_like(tree):
   return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), x.dtype), tree)
 
@@ -159,10 +171,7 @@ def local_sgd(
         inner_state=inner.init(params))
 
   def update(grads, state, params=None, **extra_args):
-    _check_params(params, "local_sgd")
-    size = parallel.check_axis_name(axis_name)
-    parallel.check_varying(grads, axis_name)
-    local, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    size, local, inner_state = _local_inner_update("local_sgd", inner, axis_name, grads, state, params, extra_args)
 
     def average(operands):
       params, local = operands
@@ -244,10 +253,7 @@ def diloco(
         outer_state=outer.init(params))
 
   def update(grads, state, params=None, **extra_args):
-    _check_params(params, "diloco")
-    size = parallel.check_axis_name(axis_name)
-    parallel.check_varying(grads, axis_name)
-    local, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    size, local, inner_state = _local_inner_update("diloco", inner, axis_name, grads, state, params, extra_args)
 
     def outer_step(operands):
       params, local, anchor, outer_state = operands

@@ -40,6 +40,24 @@ def reference_run(opt, params, loss_fn, batches, k=K):
   return params
 
 
+def reference_with_stats(loss_and_stats, params, stats, batches, keys, sizes, k, opt):
+  """(params, stats) after each window, written plainly: every microbatch's gradient and new
+  statistics from the window-start params/statistics (same dropout keys), size-weighted means,
+  one optax step per window."""
+  ref_grad = jax.jit(jax.grad(loss_and_stats, has_aux=True))
+  opt_state = opt.init(params)
+  after = []
+  for w in range(len(batches) // k):
+    idx = range(w * k, (w + 1) * k)
+    outs = [ref_grad(params, stats, batches[i], keys[i]) for i in idx]
+    wts = [float(sizes[i]) for i in idx]
+    mean = lambda trees: jax.tree.map(lambda *xs: sum(wi * xi for wi, xi in zip(wts, xs)) / sum(wts), *trees)
+    updates, opt_state = opt.update(mean([o[0] for o in outs]), opt_state, params)
+    params, stats = optax.apply_updates(params, updates), mean([o[1] for o in outs])
+    after.append((params, stats))
+  return after
+
+
 # --------------------------------------------------------------------------- linen
 
 
@@ -129,21 +147,12 @@ def test_linen_batchnorm_and_dropout_under_jit():
     grads, stats = jax.grad(loss_and_stats, has_aux=True)(state.params, state.batch_stats, batch, key)
     return state.apply_gradients(grads=grads, batch_stats=stats, weight=weight)
 
-  # Reference, written plainly: per window, grads and statistics of each microbatch from the
-  # window-start params/statistics with the same dropout keys, weighted means, one adam step.
-  ref_grad = jax.jit(jax.grad(loss_and_stats, has_aux=True))
-  opt = optax.adam(0.05)
-  ref_params, ref_stats, ref_opt = variables["params"], variables["batch_stats"], opt.init(variables["params"])
-  for w in range(len(batches) // k):
-    idx = range(w * k, (w + 1) * k)
-    outs = [ref_grad(ref_params, ref_stats, batches[i], keys[i]) for i in idx]
-    wts = [float(sizes[i]) for i in idx]
-    mean = lambda trees: jax.tree.map(lambda *xs: sum(wi * xi for wi, xi in zip(wts, xs)) / sum(wts), *trees)
-    updates, ref_opt = opt.update(mean([o[0] for o in outs]), ref_opt, ref_params)
-    ref_params, ref_stats = optax.apply_updates(ref_params, updates), mean([o[1] for o in outs])
+  expected = reference_with_stats(loss_and_stats, variables["params"], variables["batch_stats"],
+                                  batches, keys, sizes, k, optax.adam(0.05))
+  for w, (ref_params, ref_stats) in enumerate(expected):
     start_stats = state.batch_stats
-    for j, i in enumerate(idx):
-      state = step(state, batches[i], keys[i], wts[j])
+    for j, i in enumerate(range(w * k, (w + 1) * k)):
+      state = step(state, batches[i], keys[i], float(sizes[i]))
       if j < k - 1:
         chex.assert_trees_all_equal(state.batch_stats, start_stats)  # constant within the window
     assert int(state.step) == w + 1 and int(state.micro_step) == 0
@@ -357,19 +366,7 @@ def test_nnx_batchnorm_and_dropout_under_jit():
     loss = nnx_loss(m, batch, key)
     return loss, nnx.as_pure(nnx.state(m, nnx.BatchStat))
 
-  ref_grad = jax.jit(jax.grad(loss_and_stats, has_aux=True))
-  opt = optax.adam(0.05)
-  opt_state = opt.init(params)
-  expected = []
-  for w in range(len(batches) // k):
-    idx = range(w * k, (w + 1) * k)
-    outs = [ref_grad(params, stats, batches[i], keys[i]) for i in idx]
-    wts = [float(sizes[i]) for i in idx]
-    mean = lambda trees: jax.tree.map(lambda *xs: sum(wi * xi for wi, xi in zip(wts, xs)) / sum(wts), *trees)
-    updates, opt_state = opt.update(mean([o[0] for o in outs]), opt_state, params)
-    expected.append((stats, None))
-    params, stats = optax.apply_updates(params, updates), mean([o[1] for o in outs])
-    expected[-1] = (expected[-1][0], (params, stats))
+  expected = reference_with_stats(loss_and_stats, params, stats, batches, keys, sizes, k, optax.adam(0.05))
 
   optimizer = ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.adam(0.05), k), wrt=nnx.Param)
 
@@ -377,8 +374,7 @@ def test_nnx_batchnorm_and_dropout_under_jit():
   def step(model, optimizer, batch, key, weight):
     optimizer.update(model, nnx.grad(nnx_loss)(model, batch, key), weight=weight)
 
-  for w in range(len(batches) // k):
-    _, (ref_params, ref_stats) = expected[w]
+  for w, (ref_params, ref_stats) in enumerate(expected):
     start_stats = nnx.as_pure(nnx.state(model, nnx.BatchStat))
     for j in range(k):
       i = w * k + j
