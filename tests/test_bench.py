@@ -19,8 +19,13 @@ def _numbers(tree, path=""):
 
 def test_bench_quick_report(tmp_path):
   out = tmp_path / "bench.json"
-  proc = subprocess.run([sys.executable, "-m", "jaxaccum.bench", "--quick", "--json", str(out)],
-                        capture_output=True, text=True, timeout=900, cwd=tmp_path)
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxaccum.bench", "--quick", "--json", str(out)],
+    capture_output=True,
+    text=True,
+    timeout=900,
+    cwd=tmp_path,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(out.read_text())
   assert report["header"]["quick"] is True
@@ -33,3 +38,23 @@ def test_bench_quick_report(tmp_path):
   assert ratios
   for path, value in ratios:
     assert math.isfinite(value) and value > 0, (path, value)
+
+
+def test_bench_is_a_subpackage_with_one_module_per_section():
+  import importlib
+  import pathlib
+
+  import jaxaccum
+  import jaxaccum.bench as bench
+
+  root = pathlib.Path(jaxaccum.__file__).parent
+  assert not list(root.glob("_bench_*.py")) and not (root / "bench.py").exists()
+  assert bench.SECTIONS == ("accumulate", "microbatch", "flax", "lowcomm")
+  for name in bench.SECTIONS:
+    assert callable(importlib.import_module(f"jaxaccum.bench.{name}").run), name
+  proc = subprocess.run([sys.executable, "-m", "jaxaccum.bench", "--help"], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and "--quick" in proc.stdout and "--sections" in proc.stdout, proc.stderr
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxaccum.bench", "--sections", "nope"], capture_output=True, text=True, timeout=120
+  )
+  assert proc.returncode == 2 and "unknown sections ['nope']" in proc.stderr, proc.stderr

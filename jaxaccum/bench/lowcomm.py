@@ -20,12 +20,27 @@ import numpy as np
 import optax
 
 from jaxaccum import _hlo
-from jaxaccum._bench_common import mlp_loss, mlp_params
+from jaxaccum.bench.common import mlp_loss, mlp_params
 from jaxaccum.lowcomm import diloco, local_sgd
 from jaxaccum.parallel import pmean
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-          "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
+}
 _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _ALL_REDUCE = ("all-reduce", "all-reduce-start")
 
@@ -98,8 +113,7 @@ def run(quick: bool = False) -> list[dict]:
   for h in syncs:
     cases[f"local_sgd(H={h})"] = (local_sgd(optax.sgd(0.1), h, axis_name="d"), h)
     cases[f"diloco(H={h})"] = (diloco(optax.sgd(0.1), nesterov, h, axis_name="d"), h)
-    cases[f"diloco(H={h}, bf16)"] = (
-        diloco(optax.sgd(0.1), nesterov, h, axis_name="d", comm_dtype=jnp.bfloat16), h)
+    cases[f"diloco(H={h}, bf16)"] = (diloco(optax.sgd(0.1), nesterov, h, axis_name="d", comm_dtype=jnp.bfloat16), h)
 
   data = {"devices": ndev, "param_bytes": param_bytes, "updates": 100, "cases": {}}
   rows = []
@@ -108,22 +122,26 @@ def run(quick: bool = False) -> list[dict]:
     per = {}
     for label, text in (("compiled", compiled_text), ("lowered", lowered_text)):
       where = all_reduce_bytes(text)
-      per[label] = {"top_bytes_per_update": where["top"], "branch_bytes_per_sync": where["branch"],
-                    "loop_bytes": where["loop"],
-                    "bytes_per_100_updates": 100 * where["top"] + (100 // h) * where["branch"]}
+      per[label] = {
+        "top_bytes_per_update": where["top"],
+        "branch_bytes_per_sync": where["branch"],
+        "loop_bytes": where["loop"],
+        "bytes_per_100_updates": 100 * where["top"] + (100 // h) * where["branch"],
+      }
     per["all_reduce_instructions"] = dict(_hlo.locate(compiled_text))
     data["cases"][name] = per
   base = data["cases"]["synchronous (pmean + sgd)"]
   for name, per in data["cases"].items():
     for label in ("compiled", "lowered"):
-      per[label]["ratio_vs_synchronous"] = (
-          per[label]["bytes_per_100_updates"] / base[label]["bytes_per_100_updates"])
+      per[label]["ratio_vs_synchronous"] = per[label]["bytes_per_100_updates"] / base[label]["bytes_per_100_updates"]
     where = per["all_reduce_instructions"]
     rows.append(
-        f"| {name} | {where.get('top', 0)} / {where.get('branch', 0)} "
-        f"| {per['compiled']['bytes_per_100_updates'] / 2**20:.2f} | {per['compiled']['ratio_vs_synchronous']:.4f} "
-        f"| {per['lowered']['bytes_per_100_updates'] / 2**20:.2f} | {per['lowered']['ratio_vs_synchronous']:.4f} |")
-  table = "\n".join([
+      f"| {name} | {where.get('top', 0)} / {where.get('branch', 0)} "
+      f"| {per['compiled']['bytes_per_100_updates'] / 2**20:.2f} | {per['compiled']['ratio_vs_synchronous']:.4f} "
+      f"| {per['lowered']['bytes_per_100_updates'] / 2**20:.2f} | {per['lowered']['ratio_vs_synchronous']:.4f} |"
+    )
+  table = "\n".join(
+    [
       f"MLP {depth}x{width}, float32 params ({param_bytes / 2**20:.2f} MiB), pmap over {ndev} devices, "
       "inner sgd; DiLoCo outer Nesterov. Bytes are all-reduce operand bytes per device, "
       "from the HLO (compiled for this backend / as lowered, i.e. the requested wire dtype).",
@@ -132,5 +150,6 @@ def run(quick: bool = False) -> list[dict]:
       "| MiB per 100 updates (lowered) | ratio |",
       "|---|---|---|---|---|---|",
       *rows,
-  ])
+    ]
+  )
   return [{"title": "lowcomm: all-reduce bytes per 100 updates", "markdown": table, "data": data}]

@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum._bench_common import count_big_copies, interleaved_medians, mlp_loss, mlp_params, tree_bytes
 from jaxaccum.accumulate import accumulate
+from jaxaccum.bench.common import count_big_copies, interleaved_medians, mlp_loss, mlp_params, tree_bytes
 
 
 def _transform_runner(tx, params, batches):
   """A window of micro-steps through the plain GradientTransformation API, donated."""
+
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, state, batch):
     grads = jax.grad(mlp_loss)(params, batch)
@@ -65,23 +66,30 @@ def run(quick: bool = False) -> list[dict]:
   repeats = 3 if quick else 15
   params = mlp_params(jax.random.PRNGKey(0), width, depth)
   inner = optax.adam(1e-3)
-  rows, data = [], {}
+  rows: list[str] = []
+  data: dict[str, object] = {}
   for micro_batch in (8, 128):
     batches = [
-        (jax.random.normal(jax.random.PRNGKey(i), (micro_batch, width)),
-         jax.random.normal(jax.random.PRNGKey(1000 + i), (micro_batch, width)))
-        for i in range(k)]
+      (
+        jax.random.normal(jax.random.PRNGKey(i), (micro_batch, width)),
+        jax.random.normal(jax.random.PRNGKey(1000 + i), (micro_batch, width)),
+      )
+      for i in range(k)
+    ]
     ms_run, ms_carry, ms_hlo = _transform_runner(optax.MultiSteps(inner, k), params, batches)
     ja_run, ja_carry, ja_hlo = _transform_runner(accumulate(inner, k), params, batches)
     times = interleaved_medians(
-        {"MultiSteps": ms_run, "accumulate": ja_run, "add-only": _add_only_runner(inner, params, batches)}, repeats)
+      {"MultiSteps": ms_run, "accumulate": ja_run, "add-only": _add_only_runner(inner, params, batches)}, repeats
+    )
     base = times["MultiSteps"]
     entry = {
-        "k": k, "micro_batch": micro_batch, "width": width, "depth": depth,
-        "seconds_per_window": times,
-        "ratio_vs_multisteps": {n: t / base for n, t in times.items()},
-        "big_copies_in_step_hlo": {
-            "MultiSteps": count_big_copies(ms_hlo), "accumulate": count_big_copies(ja_hlo)},
+      "k": k,
+      "micro_batch": micro_batch,
+      "width": width,
+      "depth": depth,
+      "seconds_per_window": times,
+      "ratio_vs_multisteps": {n: t / base for n, t in times.items()},
+      "big_copies_in_step_hlo": {"MultiSteps": count_big_copies(ms_hlo), "accumulate": count_big_copies(ja_hlo)},
     }
     data[f"B={micro_batch}"] = entry
     for name, t in times.items():
@@ -89,21 +97,35 @@ def run(quick: bool = False) -> list[dict]:
 
   params_bytes = tree_bytes(params)
   state_bytes = {
-      "inner (adam)": tree_bytes(inner.init(params)),
-      "optax.MultiSteps": tree_bytes(optax.MultiSteps(inner, k).init(params)),
-      "ja.accumulate": tree_bytes(accumulate(inner, k).init(params)),
+    "inner (adam)": tree_bytes(inner.init(params)),
+    "optax.MultiSteps": tree_bytes(optax.MultiSteps(inner, k).init(params)),
+    "ja.accumulate": tree_bytes(accumulate(inner, k).init(params)),
   }
   data["params_bytes"] = params_bytes
   data["state_bytes"] = state_bytes
   time_table = "\n".join(
-      [f"MLP {depth} x {width}, adam, float32; time per window of K micro-steps, median of {repeats} "
-       "interleaved repeats, jitted and donated.", "",
-       "| case | method | ms / window | vs MultiSteps |", "|---|---|---:|---:|"] + rows)
+    [
+      f"MLP {depth} x {width}, adam, float32; time per window of K micro-steps, median of {repeats} "
+      "interleaved repeats, jitted and donated.",
+      "",
+      "| case | method | ms / window | vs MultiSteps |",
+      "|---|---|---:|---:|",
+    ]
+    + rows
+  )
   state_table = "\n".join(
-      ["| optimizer state | bytes | x params |", "|---|---:|---:|"]
-      + [f"| {n} | {b:,} | {b / params_bytes:.2f} |" for n, b in state_bytes.items()])
+    ["| optimizer state | bytes | x params |", "|---|---:|---:|"]
+    + [f"| {n} | {b:,} | {b / params_bytes:.2f} |" for n, b in state_bytes.items()]
+  )
   return [
-      {"title": "accumulate: time per window", "markdown": time_table, "data": {k_: v for k_, v in data.items() if k_.startswith("B=")}},
-      {"title": "accumulate: optimizer-state memory", "markdown": state_table,
-       "data": {"params_bytes": params_bytes, "state_bytes": state_bytes}},
+    {
+      "title": "accumulate: time per window",
+      "markdown": time_table,
+      "data": {k_: v for k_, v in data.items() if k_.startswith("B=")},
+    },
+    {
+      "title": "accumulate: optimizer-state memory",
+      "markdown": state_table,
+      "data": {"params_bytes": params_bytes, "state_bytes": state_bytes},
+    },
   ]

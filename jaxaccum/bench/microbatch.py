@@ -20,9 +20,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxaccum import _hlo
-from jaxaccum._bench_common import interleaved_medians, mlp_batch, mlp_loss, mlp_params, tree_bytes
-from jaxaccum import parallel
+from jaxaccum import _hlo, parallel
+from jaxaccum.bench.common import interleaved_medians, mlp_batch, mlp_loss, mlp_params, tree_bytes
 from jaxaccum.planner import compiled_memory_bytes
 from jaxaccum.train_step import make_train_step
 
@@ -42,28 +41,45 @@ def _memory_case(width, depth, rows, k):
 
   full, mb, one = total(1, batch), total(k, batch), total(1, micro)
   floor = one + tree_bytes(params) + 2 * rows * width * 4 - 2 * (rows // k) * width * 4
-  return {"width": width, "depth": depth, "batch": rows, "k": k, "params_bytes": tree_bytes(params),
-          "full_batch_bytes": full, "microbatch_bytes": mb, "one_microbatch_plus_acc_plus_rest_bytes": floor,
-          "ratio_vs_full": mb / full, "ratio_vs_floor": mb / floor}
+  return {
+    "width": width,
+    "depth": depth,
+    "batch": rows,
+    "k": k,
+    "params_bytes": tree_bytes(params),
+    "full_batch_bytes": full,
+    "microbatch_bytes": mb,
+    "one_microbatch_plus_acc_plus_rest_bytes": floor,
+    "ratio_vs_full": mb / full,
+    "ratio_vs_floor": mb / floor,
+  }
 
 
 def _memory(quick):
   width, depth, k = (256, 4, 16) if quick else (1024, 8, 16)
   cases = [_memory_case(width, depth, rows, k) for rows in ((64, 1024) if quick else (256, 4096, 16384))]
-  md = [f"MLP {depth} x {width}, adam, float32, K={k}; per-device bytes from XLA's memory analysis "
-        "(arguments + outputs - aliases + temp), params and state donated. Params: "
-        f"{cases[0]['params_bytes'] / 2**20:.0f} MiB (adam state 2x that). The floor is the one-microbatch "
-        "step plus a params-sized accumulator plus the rest of the batch (an argument either way); where "
-        "activations are small next to params and optimizer state (small B), that floor is above the full "
-        "batch and no microbatching can save memory.", "",
-        "| B | full batch MiB | microbatch K MiB | one microbatch + acc + rest MiB | vs full | vs floor |",
-        "|---:|---:|---:|---:|---:|---:|"]
+  md = [
+    f"MLP {depth} x {width}, adam, float32, K={k}; per-device bytes from XLA's memory analysis "
+    "(arguments + outputs - aliases + temp), params and state donated. Params: "
+    f"{cases[0]['params_bytes'] / 2**20:.0f} MiB (adam state 2x that). The floor is the one-microbatch "
+    "step plus a params-sized accumulator plus the rest of the batch (an argument either way); where "
+    "activations are small next to params and optimizer state (small B), that floor is above the full "
+    "batch and no microbatching can save memory.",
+    "",
+    "| B | full batch MiB | microbatch K MiB | one microbatch + acc + rest MiB | vs full | vs floor |",
+    "|---:|---:|---:|---:|---:|---:|",
+  ]
   for c in cases:
-    md.append(f"| {c['batch']} | {c['full_batch_bytes'] / 2**20:.1f} | {c['microbatch_bytes'] / 2**20:.1f} | "
-              f"{c['one_microbatch_plus_acc_plus_rest_bytes'] / 2**20:.1f} | {c['ratio_vs_full']:.2f}x | "
-              f"{c['ratio_vs_floor']:.2f}x |")
-  return {"title": "microbatch: compiled memory", "markdown": "\n".join(md),
-          "data": {f"B={c['batch']}": c for c in cases}}
+    md.append(
+      f"| {c['batch']} | {c['full_batch_bytes'] / 2**20:.1f} | {c['microbatch_bytes'] / 2**20:.1f} | "
+      f"{c['one_microbatch_plus_acc_plus_rest_bytes'] / 2**20:.1f} | {c['ratio_vs_full']:.2f}x | "
+      f"{c['ratio_vs_floor']:.2f}x |"
+    )
+  return {
+    "title": "microbatch: compiled memory",
+    "markdown": "\n".join(md),
+    "data": {f"B={c['batch']}": c for c in cases},
+  }
 
 
 def _time(quick):
@@ -78,8 +94,11 @@ def _time(quick):
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def optax_step(params, state, batch):
     grad_fn = optax.microbatching.microbatch(
-        jax.value_and_grad(mlp_loss), argnums=1, microbatch_size=rows // k,
-        accumulator=optax.microbatching.AccumulationType.MEAN)
+      jax.value_and_grad(mlp_loss),
+      argnums=1,
+      microbatch_size=rows // k,
+      accumulator=optax.microbatching.AccumulationType.MEAN,
+    )
     _, grads = grad_fn(params, batch)
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
@@ -88,8 +107,10 @@ def _time(quick):
   def scan_step(params, state, batch):
     # The hand-written floor: contiguous microbatches, sum of grads in a scan.
     mbs = jax.tree.map(lambda x: x.reshape(k, rows // k, *x.shape[1:]), batch)
+
     def body(acc, mb):
       return jax.tree.map(jnp.add, acc, jax.grad(mlp_loss)(params, mb)), None
+
     grads, _ = lax.scan(body, jax.tree.map(jnp.zeros_like, params), mbs)
     updates, state = opt.update(jax.tree.map(lambda g: g / k, grads), state, params)
     return optax.apply_updates(params, updates), state
@@ -100,34 +121,56 @@ def _time(quick):
     def run():
       carry[0], carry[1], *_ = step(carry[0], carry[1], batch)
       jax.block_until_ready(carry)
+
     return run
 
-  times = interleaved_medians({
+  times = interleaved_medians(
+    {
       "full batch (K=1)": runner(make_train_step(mlp_loss, opt)),
       f"ja.make_train_step K={k}": runner(make_train_step(mlp_loss, opt, num_microbatches=k)),
       f"optax.microbatching.microbatch K={k}": runner(optax_step),
       f"hand-written lax.scan K={k}": runner(scan_step),
-  }, repeats)
+    },
+    repeats,
+  )
   # The same model with microbatches of 64-256 rows: where the per-microbatch cost
   # (a params-sized gradient written and added) no longer dominates.
-  big = interleaved_medians({
+  big = interleaved_medians(
+    {
       f"full batch (K=1), B={big_rows}": runner(make_train_step(mlp_loss, opt), big_batch),
       f"ja.make_train_step K=4, B={big_rows}": runner(make_train_step(mlp_loss, opt, num_microbatches=4), big_batch),
       f"ja.make_train_step K={k}, B={big_rows}": runner(make_train_step(mlp_loss, opt, num_microbatches=k), big_batch),
-  }, repeats)
+    },
+    repeats,
+  )
   base = times["full batch (K=1)"]
   big_base = big[f"full batch (K=1), B={big_rows}"]
   ratios = {n: t / base for n, t in times.items()}
   ratios.update({n: t / big_base for n, t in big.items()})
   md = "\n".join(
-      [f"MLP {depth} x {width}, adam, float32; one jitted, donated step; median of {repeats} interleaved "
-       f"repeats. At B={rows}, K={k} each microbatch has {rows // k} rows and every micro-step writes and "
-       "adds a params-sized gradient: that, not the loop, is the cost (the hand-written scan pays it too).",
-       "", "| step | ms / step | vs full batch |", "|---|---:|---:|"]
-      + [f"| {n} | {t * 1e3:.2f} | {ratios[n]:.2f}x |" for n, t in {**times, **big}.items()])
-  return {"title": "microbatch: time per step", "markdown": md,
-          "data": {"width": width, "depth": depth, "batch": rows, "big_batch": big_rows, "k": k,
-                   "seconds": {**times, **big}, "ratio_vs_full": ratios}}
+    [
+      f"MLP {depth} x {width}, adam, float32; one jitted, donated step; median of {repeats} interleaved "
+      f"repeats. At B={rows}, K={k} each microbatch has {rows // k} rows and every micro-step writes and "
+      "adds a params-sized gradient: that, not the loop, is the cost (the hand-written scan pays it too).",
+      "",
+      "| step | ms / step | vs full batch |",
+      "|---|---:|---:|",
+    ]
+    + [f"| {n} | {t * 1e3:.2f} | {ratios[n]:.2f}x |" for n, t in {**times, **big}.items()]
+  )
+  return {
+    "title": "microbatch: time per step",
+    "markdown": md,
+    "data": {
+      "width": width,
+      "depth": depth,
+      "batch": rows,
+      "big_batch": big_rows,
+      "k": k,
+      "seconds": {**times, **big},
+      "ratio_vs_full": ratios,
+    },
+  }
 
 
 def _per_update(hlo, calls_per_update=1, k=1):
@@ -143,11 +186,15 @@ def _all_reduces(quick):
   opt = optax.adam(1e-3)
   batch = mlp_batch(jax.random.PRNGKey(1), rows, width)
   mesh = parallel.data_mesh()
-  args = (parallel.replicate(params, mesh), parallel.replicate(opt.init(params), mesh),
-          parallel.shard_batch(batch, mesh))
+  args = (
+    parallel.replicate(params, mesh),
+    parallel.replicate(opt.init(params), mesh),
+    parallel.shard_batch(batch, mesh),
+  )
   counts = {}
   counts["ja.make_train_step"] = _per_update(
-      make_train_step(mlp_loss, opt, num_microbatches=k, mesh=mesh).lower(*args).compile().as_text())
+    make_train_step(mlp_loss, opt, num_microbatches=k, mesh=mesh).lower(*args).compile().as_text()
+  )
 
   # pmap + pmean + MultiSteps: one micro-step per call, K calls per update.
   ms = optax.MultiSteps(optax.chain(parallel.pmean("data"), opt), k)
@@ -161,24 +208,35 @@ def _all_reduces(quick):
   pm = jax.pmap(micro_step, axis_name="data")
   micro = jax.tree.map(lambda x: x[: n * 2].reshape(n, 2, width), batch)
   counts["optax.MultiSteps + pmean (pmap)"] = _per_update(
-      pm.lower(rep(params), rep(ms.init(params)), micro).compile().as_text(), calls_per_update=k)
+    pm.lower(rep(params), rep(ms.init(params)), micro).compile().as_text(), calls_per_update=k
+  )
 
   @jax.jit
   def scan_step(params, state, batch):
     def body(acc, i):
       mb = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:])[:, i], batch)
       return jax.tree.map(jnp.add, acc, jax.grad(mlp_loss)(params, mb)), None
+
     grads, _ = lax.scan(body, jax.tree.map(jnp.zeros_like, params), jnp.arange(k))
     updates, state = opt.update(jax.tree.map(lambda g: g / k, grads), state, params)
     return optax.apply_updates(params, updates), state
 
   counts["jit + sharded batch + scan"] = _per_update(scan_step.lower(*args).compile().as_text(), k=k)
   md = "\n".join(
-      [f"{n} devices, K={k}, adam; all-reduce instructions executed per update, counted in the compiled "
-       "HLO (inside a loop: x K; MultiSteps: x K calls).", "", "| pattern | all-reduces / update |", "|---|---:|"]
-      + [f"| {name} | {c} |" for name, c in counts.items()])
-  return {"title": "make_train_step: all-reduces per update", "markdown": md,
-          "data": {"devices": n, "k": k, "all_reduces_per_update": counts}}
+    [
+      f"{n} devices, K={k}, adam; all-reduce instructions executed per update, counted in the compiled "
+      "HLO (inside a loop: x K; MultiSteps: x K calls).",
+      "",
+      "| pattern | all-reduces / update |",
+      "|---|---:|",
+    ]
+    + [f"| {name} | {c} |" for name, c in counts.items()]
+  )
+  return {
+    "title": "make_train_step: all-reduces per update",
+    "markdown": md,
+    "data": {"devices": n, "k": k, "all_reduces_per_update": counts},
+  }
 
 
 def run(quick: bool = False) -> list[dict]:

@@ -16,8 +16,10 @@ import numpy as np
 def mlp_params(key, width: int, depth: int):
   """`depth` square float32 layers of `width`: a list of {"w", "b"} dicts."""
   keys = jax.random.split(key, depth)
-  return [{"w": jax.random.normal(k, (width, width), jnp.float32) / np.sqrt(width),
-           "b": jnp.zeros((width,), jnp.float32)} for k in keys]
+  return [
+    {"w": jax.random.normal(k, (width, width), jnp.float32) / np.sqrt(width), "b": jnp.zeros((width,), jnp.float32)}
+    for k in keys
+  ]
 
 
 def mlp_apply(params, x):
@@ -51,7 +53,7 @@ def interleaved_medians(runners: dict, repeats: int) -> dict:
   for run in runners.values():
     run()
     run()
-  times = {name: [] for name in runners}
+  times: dict[str, list[float]] = {name: [] for name in runners}
   for _ in range(repeats):
     for name, run in runners.items():
       start = time.perf_counter()

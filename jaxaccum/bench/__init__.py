@@ -4,6 +4,10 @@ Numbers, not tests: ratios measured side by side in one run; memory from XLA's
 compiled memory analysis; communication as all-reduce instructions in the
 compiled HLO. Multi-device sections run on 8 devices, simulated on CPU when
 the machine has fewer.
+
+One module per section (`accumulate`, `microbatch`, `flax`, `lowcomm`), each with
+`run(quick) -> list of {"title", "markdown", ...}`; `common` holds the MLP, its
+data and the timing helpers they share. Importing this package touches no device.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import importlib
 import json
 import os
 import platform
-import sys
 
 SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm")
 
@@ -30,11 +33,10 @@ def _setup_devices(num_devices: int) -> None:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m jaxaccum.bench", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m jaxaccum.bench", description=(__doc__ or "").split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (seconds, for tests)")
   parser.add_argument("--json", default="bench_results.json", help="where to write the JSON report")
-  parser.add_argument("--sections", default=",".join(SECTIONS),
-                      help=f"comma-separated subset of {', '.join(SECTIONS)}")
+  parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)}")
   args = parser.parse_args(argv)
   sections = [s.strip() for s in args.sections.split(",") if s.strip()]
   unknown = sorted(set(sections) - set(SECTIONS))
@@ -45,27 +47,26 @@ def main(argv=None) -> int:
   import jax  # noqa: PLC0415
 
   header = {
-      "date": datetime.date.today().isoformat(),
-      "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-      "backend": jax.default_backend(),
-      "devices": [str(d.device_kind) for d in jax.devices()][:1] + [f"x{jax.device_count()}"],
-      "jax": jax.__version__,
-      "python": platform.python_version(),
-      "quick": args.quick,
+    "date": datetime.date.today().isoformat(),
+    "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+    "backend": jax.default_backend(),
+    "devices": [str(d.device_kind) for d in jax.devices()][:1] + [f"x{jax.device_count()}"],
+    "jax": jax.__version__,
+    "python": platform.python_version(),
+    "quick": args.quick,
   }
-  print(f"# jaxaccum benchmark ({header['date']}, {header['backend']}, {header['machine']}, "
-        f"jax {header['jax']}{', quick' if args.quick else ''})\n")
-  report = {"header": header, "sections": []}
+  print(
+    f"# jaxaccum benchmark ({header['date']}, {header['backend']}, {header['machine']}, "
+    f"jax {header['jax']}{', quick' if args.quick else ''})\n"
+  )
+  results: list[dict] = []
   for name in sections:
-    module = importlib.import_module(f"jaxaccum._bench_{name}")
+    module = importlib.import_module(f"jaxaccum.bench.{name}")
     for result in module.run(quick=args.quick):
       print(f"## {result['title']}\n\n{result['markdown']}\n", flush=True)
-      report["sections"].append({"section": name, **result})
+      results.append({"section": name, **result})
+  report = {"header": header, "sections": results}
   with open(args.json, "w") as f:
     json.dump(report, f, indent=2, default=float)
   print(f"JSON written to {args.json}")
   return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
