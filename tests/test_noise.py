@@ -1,0 +1,313 @@
+"""ja.noise: the noise-scale estimator, AdaScale and the noise-driven window, against plain references."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxaccum import noise
+
+RTOL = 1e-12
+
+
+# ---------------------------------------------------------------------------------------------
+# The synthetic problem: per-example loss 0.5 |theta - x_n|^2 with x_n ~ N(mu, I), so the
+# per-example gradient is theta - x_n: G = theta - mu and Sigma = I, tr(Sigma) = d.
+
+D = 32
+
+
+def synthetic_microbatch_grads(key, num_windows, sizes, g_true):
+  """Mean gradients of each microbatch, shape (num_windows, K, D): G - mean of its noise rows."""
+  sizes = np.asarray(sizes)
+  n = int(sizes.sum())
+  noise_rows = jax.random.normal(key, (num_windows, n, D))
+  segment = np.repeat(np.arange(len(sizes)), sizes)
+  sums = jax.vmap(lambda e: jax.ops.segment_sum(e, segment, num_segments=len(sizes)))(noise_rows)
+  return g_true - sums / sizes[None, :, None]
+
+
+def plain_estimates(grads, sizes):
+  """The per-window estimates written out in numpy from the formulas (no jaxaccum code)."""
+  b = np.asarray(sizes, float)
+  big_b = b.sum()
+  k = len(b)
+  g = np.asarray(grads)  # (W, K, D)
+  s1 = np.einsum("k,wkd,wkd->w", b, g, g) / big_b
+  mean = np.einsum("k,wkd->wd", b, g) / big_b
+  s2 = np.einsum("wd,wd->w", mean, mean)
+  return (k * s2 - s1) / (k - 1), big_b * (s1 - s2) / (k - 1)
+
+
+def run_windows(grads, sizes, decay):
+  """Feeds every window through window_estimates/update_state in one jitted scan."""
+  b = jnp.asarray(sizes, jnp.float64)
+
+  @jax.jit
+  def run(grads):
+    def body(state, g):
+      weighted_sq = jnp.sum(b * jnp.sum(g * g, axis=-1))
+      mean = jnp.sum(b[:, None] * g, axis=0) / jnp.sum(b)
+      est = noise.window_estimates(weighted_sq, jnp.sum(b), jnp.sum(mean * mean), jnp.asarray(len(sizes)))
+      return noise.update_state(state, *est, decay), est[:2]
+    return jax.lax.scan(body, noise.init_state(jnp.float64), grads)
+
+  return run(grads)
+
+
+@pytest.mark.parametrize("sizes", [[16] * 8, [3, 5, 8, 16, 32, 4, 40, 20]], ids=["equal", "unequal"])
+def test_synthetic_estimates_converge(sizes):
+  g_true = jnp.full((D,), 1.0 / np.sqrt(D)).at[0].add(0.5)  # |G|^2 = 1 + 1/sqrt(D) + 1/4 -ish
+  grad_sq_true = float(jnp.sum(g_true ** 2))
+  grads = synthetic_microbatch_grads(jax.random.PRNGKey(0), 400, sizes, g_true)
+  state, per_window = run_windows(grads, sizes, decay=0.99)
+  # Each window's estimates are the formulas' values.
+  ref_g2, ref_tr = plain_estimates(grads, sizes)
+  np.testing.assert_allclose(per_window[0], ref_g2, rtol=1e-10, atol=1e-12)
+  np.testing.assert_allclose(per_window[1], ref_tr, rtol=1e-10)
+  # Unbiased: their plain means over all windows are close to the truth...
+  assert abs(ref_tr.mean() / D - 1) < 0.03
+  assert abs(ref_g2.mean() / grad_sq_true - 1) < 0.1
+  # ...and the EMA's bias-corrected reading within 10-15%.
+  measured = noise.noise_scale(state)
+  assert int(state.windows) == 400
+  assert abs(float(measured.trace_cov) / D - 1) < 0.10
+  assert abs(float(measured.grad_sq) / grad_sq_true - 1) < 0.15
+  assert abs(float(measured.b_simple) / (D / grad_sq_true) - 1) < 0.15
+
+
+def test_window_estimates_on_fixed_inputs():
+  # K = 3 microbatches of sizes 1, 2, 3 with hand-picked 2-d gradients.
+  b = np.array([1.0, 2.0, 3.0])
+  g = np.array([[1.0, 2.0], [0.5, -1.0], [2.0, 0.25]])
+  big_b = b.sum()
+  s1 = float(np.sum(b * np.sum(g * g, axis=1)) / big_b)
+  mean = (b[:, None] * g).sum(0) / big_b
+  s2 = float(mean @ mean)
+  g2, tr, valid = noise.window_estimates(
+      jnp.asarray(s1 * big_b), jnp.asarray(big_b), jnp.asarray(s2), jnp.asarray(3))
+  assert bool(valid)
+  np.testing.assert_allclose(float(g2), (3 * s2 - s1) / 2, rtol=RTOL)
+  np.testing.assert_allclose(float(tr), big_b * (s1 - s2) / 2, rtol=RTOL)
+
+
+def test_window_with_one_microbatch_leaves_the_average_unchanged():
+  state = noise.update_state(noise.init_state(jnp.float64), jnp.asarray(2.0), jnp.asarray(6.0),
+                             jnp.asarray(True), 0.9)
+  est = noise.window_estimates(jnp.asarray(5.0), jnp.asarray(4.0), jnp.asarray(1.0), jnp.asarray(1))
+  assert not bool(est[2])
+  after = noise.update_state(state, *est, 0.9)
+  chex.assert_trees_all_equal(after, state)
+  # A non-finite window is dropped too.
+  est = noise.window_estimates(jnp.asarray(jnp.inf), jnp.asarray(4.0), jnp.asarray(1.0), jnp.asarray(4))
+  assert not bool(est[2])
+  chex.assert_trees_all_equal(noise.update_state(state, *est, 0.9), state)
+
+
+def test_bias_correction_reads_the_plain_weighted_average():
+  decay = 0.8
+  xs = [(2.0, 6.0), (1.0, 9.0), (4.0, 3.0)]
+  state = noise.init_state(jnp.float64)
+  for g2, tr in xs:
+    state = noise.update_state(state, jnp.asarray(g2), jnp.asarray(tr), jnp.asarray(True), decay)
+  weights = np.array([decay ** 2, decay, 1.0]) * (1 - decay)
+  g2_ref = np.dot(weights, [x[0] for x in xs]) / weights.sum()
+  tr_ref = np.dot(weights, [x[1] for x in xs]) / weights.sum()
+  measured = noise.noise_scale(state)
+  np.testing.assert_allclose(float(measured.grad_sq), g2_ref, rtol=RTOL)
+  np.testing.assert_allclose(float(measured.trace_cov), tr_ref, rtol=RTOL)
+  np.testing.assert_allclose(float(measured.b_simple), tr_ref / g2_ref, rtol=RTOL)
+  # decay = 0: the last window.
+  zero = noise.init_state(jnp.float64)
+  for g2, tr in xs:
+    zero = noise.update_state(zero, jnp.asarray(g2), jnp.asarray(tr), jnp.asarray(True), 0.0)
+  chex.assert_trees_all_equal(noise.noise_scale(zero), noise.NoiseScale(*map(jnp.asarray, (0.75, 4.0, 3.0))))
+
+
+def test_noise_scale_before_any_window_is_nan_and_finds_nested_states():
+  state = noise.init_state(jnp.float64)
+  assert all(np.isnan(float(x)) for x in noise.noise_scale(state))
+  state = noise.update_state(state, jnp.asarray(2.0), jnp.asarray(6.0), jnp.asarray(True), 0.5)
+  nested = (optax.EmptyState(), {"noise": state})
+  chex.assert_trees_all_equal(noise.noise_scale(nested), noise.noise_scale(state))
+
+
+def test_noise_scale_of_a_state_without_tracking():
+  with pytest.raises(ValueError, match="noise_scale_ema"):
+    noise.noise_scale(optax.sgd(0.1).init({"w": jnp.zeros(3)}))
+  two = (noise.init_state(), noise.init_state())
+  with pytest.raises(ValueError, match="2 noise-scale"):
+    noise.noise_scale(two)
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, float("nan"), float("inf"), 1.5])
+def test_check_decay_rejects(bad):
+  with pytest.raises(ValueError, match="noise_scale_ema"):
+    noise.check_decay(bad)
+
+
+@pytest.mark.parametrize("bad", [True, "0.9", None, jnp.asarray([0.9, 0.9])])
+def test_check_decay_rejects_types(bad):
+  with pytest.raises(TypeError, match="noise_scale_ema"):
+    noise.check_decay(bad)
+
+
+def test_check_decay_accepts():
+  assert noise.check_decay(0) == 0.0
+  assert noise.check_decay(np.float32(0.5)) == 0.5
+  assert noise.check_decay(0.999) == 0.999
+
+
+# ---------------------------------------------------------------------------------------------
+# AdaScale.
+
+
+def plain_gain(grad_sq, trace_cov, batch_weight, s):
+  """Johnson et al. (2020) eq. 3 written out: sigma^2 is the base batch's variance."""
+  base = batch_weight / s
+  sigma2 = trace_cov / base
+  return (sigma2 + grad_sq) / (sigma2 / s + grad_sq)
+
+
+@pytest.mark.parametrize("grad_sq,trace_cov,batch_weight,s", [
+    (1.0, 32.0, 128.0, 8.0), (0.25, 3.0, 7.0, 2.5), (3.0, 1e-3, 64.0, 16.0), (1e-4, 50.0, 10.0, 4.0),
+])
+def test_adascale_gain_against_the_formula(grad_sq, trace_cov, batch_weight, s):
+  r = noise.adascale_gain(jnp.asarray(grad_sq), jnp.asarray(trace_cov), batch_weight, s)
+  np.testing.assert_allclose(float(r), plain_gain(grad_sq, trace_cov, batch_weight, s), rtol=RTOL)
+  assert 1.0 <= float(r) <= s
+
+
+def test_adascale_gain_edge_cases():
+  # Negative estimates are clipped: all noise -> S; all signal -> 1; nothing measured -> 1.
+  assert float(noise.adascale_gain(-1.0, 5.0, 10.0, 4.0)) == 4.0
+  assert float(noise.adascale_gain(2.0, -5.0, 10.0, 4.0)) == 1.0
+  assert float(noise.adascale_gain(jnp.nan, jnp.nan, 10.0, 4.0)) == 1.0
+  assert float(noise.adascale_gain(0.0, 0.0, 10.0, 4.0)) == 1.0
+
+
+def _stats(key, steps):
+  k1, k2, k3 = jax.random.split(key, 3)
+  return (jnp.abs(jax.random.normal(k1, (steps,))) + 0.1, jnp.abs(jax.random.normal(k2, (steps,))) * 30,
+          jax.random.normal(k3, (steps, 5)))
+
+
+@pytest.mark.parametrize("make", [lambda: optax.sgd(0.1, momentum=0.9), lambda: optax.adam(0.05)],
+                         ids=["momentum", "adam"])
+def test_adascale_scale_one_is_inner_bit_for_bit(make):
+  params = {"w": jnp.linspace(-1.0, 1.0, 5)}
+  g2s, trs, grads = _stats(jax.random.PRNGKey(3), 6)
+  ada, plain = noise.adascale(make(), scale=1), make()
+  sa, sp = ada.init(params), plain.init(params)
+  for g2, tr, g in zip(g2s, trs, grads):
+    measured = noise.NoiseScale(tr / g2, g2, tr)
+    ua, sa = ada.update({"w": g}, sa, params, noise_scale=measured, batch_weight=16.0)
+    up, sp = plain.update({"w": g}, sp, params)
+    chex.assert_trees_all_equal(ua, up)
+  chex.assert_trees_all_equal(sa.inner_state, sp)
+  assert float(sa.progress) == 6.0
+
+
+def test_adascale_scales_the_update_and_counts_progress():
+  params = {"w": jnp.zeros(5)}
+  g2s, trs, grads = _stats(jax.random.PRNGKey(4), 5)
+  ada = noise.adascale(optax.sgd(0.1), scale=lambda count: 2.0 + count)
+  state = ada.init(params)
+  progress = 0.0
+  for i, (g2, tr, g) in enumerate(zip(g2s, trs, grads)):
+    measured = noise.NoiseScale(tr / g2, g2, tr)
+    u, state = ada.update({"w": g}, state, params, noise_scale=measured, batch_weight=32.0)
+    r = plain_gain(float(g2), float(tr), 32.0, 2.0 + i)
+    np.testing.assert_allclose(u["w"], -0.1 * r * np.asarray(g), rtol=RTOL)
+    progress += r
+    np.testing.assert_allclose(float(state.gain), r, rtol=RTOL)
+  np.testing.assert_allclose(float(state.progress), progress, rtol=RTOL)
+  assert int(state.count) == 5
+
+
+def test_adascale_learning_rate_schedule_runs_on_progress():
+  params = {"w": jnp.zeros(5)}
+  g2s, trs, grads = _stats(jax.random.PRNGKey(5), 4)
+  schedule = optax.linear_schedule(1.0, 0.0, transition_steps=40)
+  ada = noise.adascale(optax.identity(), base_batch_size=4.0, learning_rate=schedule)
+  state = ada.init(params)
+  progress = 0.0
+  for g2, tr, g in zip(g2s, trs, grads):
+    measured = noise.NoiseScale(tr / g2, g2, tr)
+    u, state = ada.update({"w": g}, state, params, noise_scale=measured, batch_weight=24.0)
+    r = plain_gain(float(g2), float(tr), 24.0, 6.0)
+    np.testing.assert_allclose(u["w"], -(1.0 - progress / 40) * r * np.asarray(g), rtol=RTOL)
+    progress += r
+
+
+def test_adascale_under_jit_and_before_any_measurement():
+  params = {"w": jnp.ones(3)}
+  ada = noise.adascale(optax.sgd(1.0), scale=8)
+  nan = jnp.asarray(jnp.nan)
+  u, state = jax.jit(ada.update)({"w": jnp.ones(3)}, ada.init(params), params,
+                                 noise_scale=noise.NoiseScale(nan, nan, nan), batch_weight=8.0)
+  chex.assert_trees_all_equal(u, {"w": -jnp.ones(3)})
+  assert float(state.gain) == 1.0
+
+
+def test_adascale_bad_input():
+  with pytest.raises(ValueError, match="exactly one"):
+    noise.adascale(optax.sgd(0.1))
+  with pytest.raises(ValueError, match="exactly one"):
+    noise.adascale(optax.sgd(0.1), scale=2, base_batch_size=3)
+  with pytest.raises(ValueError, match="scale=0.5"):
+    noise.adascale(optax.sgd(0.1), scale=0.5)
+  with pytest.raises(ValueError, match="scale=nan"):
+    noise.adascale(optax.sgd(0.1), scale=float("nan"))
+  with pytest.raises(TypeError, match="scale"):
+    noise.adascale(optax.sgd(0.1), scale="8")
+  with pytest.raises(ValueError, match="base_batch_size=0"):
+    noise.adascale(optax.sgd(0.1), base_batch_size=0)
+  with pytest.raises(TypeError, match="learning_rate"):
+    noise.adascale(optax.identity(), scale=2, learning_rate="0.1")
+  ada = noise.adascale(optax.sgd(0.1), scale=2)
+  params = {"w": jnp.ones(2)}
+  with pytest.raises(TypeError, match="noise_scale="):
+    ada.update(params, ada.init(params), params)
+  with pytest.raises(TypeError, match="NoiseScale"):
+    ada.update(params, ada.init(params), params, noise_scale=(1.0, 1.0, 1.0), batch_weight=2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The noise-driven window length.
+
+
+def test_every_k_from_noise_scale_values():
+  rule = noise.every_k_from_noise_scale(16, k_max=32, k_min=2, k_init=4)
+
+  def k(b_simple_grad_sq, trace_cov):
+    g2 = jnp.asarray(b_simple_grad_sq, jnp.float64)
+    tr = jnp.asarray(trace_cov, jnp.float64)
+    return int(rule(noise.NoiseScale(tr / g2, g2, tr)))
+
+  assert k(1.0, 16 * 7.4) == 7
+  assert k(1.0, 16 * 7.6) == 8
+  assert k(1.0, 1.0) == 2  # below k_min
+  assert k(1.0, 1e6) == 32  # above k_max
+  assert k(-1.0, 5.0) == 32  # no signal seen above the noise yet
+  assert k(1.0, -5.0) == 2  # no noise seen
+  assert k(jnp.nan, jnp.nan) == 4  # nothing measured yet
+  assert k(-1.0, -1.0) == 4
+  assert rule(noise.NoiseScale(*[jnp.asarray(1.0, jnp.float32)] * 3)).dtype == jnp.int32
+
+
+def test_every_k_from_noise_scale_bad_input():
+  with pytest.raises(ValueError, match="k_max=0"):
+    noise.every_k_from_noise_scale(16, k_max=0)
+  with pytest.raises(ValueError, match="k_min=4"):
+    noise.every_k_from_noise_scale(16, k_max=3, k_min=4)
+  with pytest.raises(ValueError, match="k_init=9"):
+    noise.every_k_from_noise_scale(16, k_max=8, k_init=9)
+  with pytest.raises(TypeError, match="k_max"):
+    noise.every_k_from_noise_scale(16, k_max=2.5)
+  with pytest.raises(ValueError, match="microbatch_size=0"):
+    noise.every_k_from_noise_scale(0, k_max=8)
+  with pytest.raises(TypeError, match="microbatch_size"):
+    noise.every_k_from_noise_scale("16", k_max=8)
