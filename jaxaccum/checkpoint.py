@@ -16,17 +16,62 @@ optimizer))`; restore into `state`, then `nnx.merge(graphdef, restored)` or
 `restore` checks the checkpoint's tree against `like` before reading any
 array: a missing or extra leaf, or a different shape or dtype, raises a
 ValueError naming the path, and nothing on disk is touched.
+
+Checksums. orbax/TensorStore do not checksum array data: one flipped byte can
+restore silently as a wrong value. `save` therefore writes, next to orbax's
+files, `jaxaccum_manifest.json` holding
+
+* the sha256 and size of every file orbax wrote, and the sha256 of every byte
+  range that holds a leaf's data (from the OCDBT b-tree), so a damaged file is
+  traced to the leaves it holds;
+* per leaf: dtype, shape and the sha256 of its values (host bytes, C order;
+  typed PRNG keys as their key data).
+
+`restore` verifies every file before orbax reads anything, then every restored
+leaf's values, and raises `CheckpointCorruptedError` (a ValueError) naming the
+checkpoint, the file and the leaf. A checkpoint only becomes visible at `path`
+once its manifest is written (it is saved under a temporary name and renamed),
+so a checkpoint without a manifest was not written by this version of `save`
+(an older jaxaccum, or plain orbax): `restore` reads it unverified and warns
+(`UnverifiedCheckpointWarning`); turn the warning into an error with
+`warnings.simplefilter("error", ja.checkpoint.UnverifiedCheckpointWarning)`.
+
+Many processes (`jax.distributed`): as orbax, all processes call `save` and
+`restore` with the same path on a filesystem they all see. Process 0 hashes the
+files and writes the manifest. Value checksums cover the leaves whose whole
+value each process holds (fully addressable, or fully replicated, arrays: the
+usual data-parallel state); a leaf sharded across processes has no value
+checksum (its bytes are still covered by the file checksums). Every process
+verifies the files on restore (each reads the checkpoint once more).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+import warnings
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["save", "restore"]
+__all__ = ["save", "restore", "CheckpointCorruptedError", "UnverifiedCheckpointWarning", "MANIFEST"]
+
+MANIFEST = "jaxaccum_manifest.json"
+_FORMAT = "jaxaccum-checkpoint"
+_VERSION = 1
+_TMP_SUFFIX = ".jaxaccum-tmp"
+
+
+class CheckpointCorruptedError(ValueError):
+  """A checkpoint's files or values differ from the checksums `save` stored with it."""
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+  """`restore` read a checkpoint that has no jaxaccum manifest, so nothing could be verified."""
 
 
 def _path(path) -> str:
@@ -49,8 +94,130 @@ def _flat(tree, is_leaf=None) -> dict[str, Any]:
   return {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
 
 
+def _host_value(x) -> np.ndarray | None:
+  """The leaf's whole value on this host, as orbax stores it; None where this process holds only part of it."""
+  if isinstance(x, jax.Array):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    if x.is_fully_addressable:
+      return np.asarray(x)
+    if x.is_fully_replicated:  # e.g. data-parallel params under jax.distributed: every process has it all
+      return np.asarray(x.addressable_data(0))
+    return None
+  return np.asarray(x)
+
+
+def _digest(value: np.ndarray) -> str:
+  return hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+
+
+def _file_sha256(file: str, offset: int = 0, length: int | None = None) -> tuple[str, int]:
+  """(sha256, bytes read) of `length` bytes from `offset` (the rest of the file if None)."""
+  h, read = hashlib.sha256(), 0
+  with open(file, "rb") as f:
+    f.seek(offset)
+    while length is None or read < length:
+      chunk = f.read(1 << 20 if length is None else min(1 << 20, length - read))
+      if not chunk:
+        break
+      h.update(chunk)
+      read += len(chunk)
+  return h.hexdigest(), read
+
+
+def _files(path: str) -> list[str]:
+  out = []
+  for root, _, names in os.walk(path):
+    out += [os.path.relpath(os.path.join(root, n), path) for n in names]
+  return sorted(f for f in out if f != MANIFEST)
+
+
+def _leaf_ranges(path: str, names) -> list[dict]:
+  """The byte ranges of orbax's OCDBT store that hold leaf data, with the leaves each holds.
+
+  Read from TensorStore's dump of the b-tree: an "indirect" value is a chunk of
+  one leaf in a data file; a b-tree node holds the small leaves inline. Best
+  effort: on any surprise in the dump format, no ranges (the whole-file
+  checksums still catch every damage; only the leaf names are lost).
+  """
+  try:
+    import tensorstore as ts  # noqa: PLC0415  (orbax's own dependency)
+
+    base = ts.KvStore.open({"driver": "file", "path": path + os.sep}).result()
+    versions = ts.ocdbt.dump(base).result()["versions"]
+    by_key = {n.replace("/", "."): n for n in names}
+
+    def leaf_of(key) -> str:
+      key = key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
+      parts = key.split("/")
+      for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in by_key or "/".join(parts[:i]) in by_key:
+          return by_key.get("/".join(parts[:i]), by_key.get(".".join(parts[:i])))
+      return parts[0]
+
+    ranges: dict[tuple[str, int, int], set[str]] = {}
+
+    def add(location: str, leaves) -> None:
+      # "btreenode::d/<id>:<offset>:<length>" or "value:ocdbt.process_0/:d/<id>:<offset>:<length>"
+      ref, offset, length = location.split(":", 1)[1].lstrip(":").rsplit(":", 2)
+      ranges.setdefault((ref.replace(":", ""), int(offset), int(length)), set()).update(leaves)
+
+    def walk(location: str) -> None:
+      node = ts.ocdbt.dump(base, location).result()
+      inline = set()
+      for entry in node.get("entries", []):
+        for value in entry.values():
+          if isinstance(value, str) and value.startswith("btreenode::"):
+            walk(value)
+        if "indirect_value" in entry:
+          add(entry["indirect_value"], {leaf_of(entry["key"])})
+        elif "inline_value" in entry:
+          inline.add(leaf_of(entry["key"]))
+      add(location, inline)
+
+    if versions and "location" in versions[-1].get("root", {}):
+      walk(versions[-1]["root"]["location"])
+  except Exception:  # noqa: BLE001  (a format we do not know: file checksums only)
+    return []
+  out = []
+  for (file, offset, length), leaves in sorted(ranges.items()):
+    if not os.path.isfile(os.path.join(path, file)):
+      return []
+    digest, read = _file_sha256(os.path.join(path, file), offset, length)
+    out.append({"file": file, "offset": offset, "length": length, "sha256": digest if read == length else None,
+                "leaves": sorted(leaves)})
+  return out
+
+
+def _manifest_body_sha256(body: dict) -> str:
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _write_manifest(path: str, leaves: dict) -> None:
+  files = {}
+  for rel in _files(path):
+    digest, size = _file_sha256(os.path.join(path, rel))
+    files[rel] = {"sha256": digest, "size": size}
+  body = {"format": _FORMAT, "version": _VERSION, "files": files, "leaves": leaves,
+          "ranges": _leaf_ranges(path, list(leaves))}
+  with open(os.path.join(path, MANIFEST), "w") as f:
+    json.dump({**body, "sha256": _manifest_body_sha256(body)}, f, sort_keys=True)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _sync(name: str) -> None:
+  if jax.process_count() > 1:
+    ocp.multihost.sync_global_processes(name)
+
+
 def save(path, tree, *, overwrite: bool = False) -> None:
-  """Writes `tree` (a pytree of arrays) to the directory `path`; returns once it is on disk.
+  """Writes `tree` (a pytree of arrays) and its checksums to the directory `path`; returns once on disk.
+
+  orbax writes under `path + ".jaxaccum-tmp"`; the manifest of checksums
+  (`jaxaccum_manifest.json`, see the module docstring) is added, and only then
+  is the directory renamed to `path`: an interrupted save leaves no checkpoint
+  at `path` (with `overwrite`, the old one is removed just before the rename).
 
   Args:
     path: the checkpoint directory (created; it must not exist unless `overwrite`).
@@ -65,9 +232,26 @@ def save(path, tree, *, overwrite: bool = False) -> None:
     raise TypeError(f"{overwrite=} must be a bool")
   if os.path.exists(path) and not overwrite:
     raise FileExistsError(f"{path=} already exists; pass overwrite=True to replace it")
+  tmp = path + _TMP_SUFFIX
+  primary = jax.process_index() == 0
+  if primary and os.path.exists(tmp):  # left by an interrupted save
+    shutil.rmtree(tmp)
+  _sync("jaxaccum_checkpoint_save_start")
+  leaves = {}
+  for name, leaf in _flat(tree).items():
+    value = _host_value(leaf)
+    stored = _as_stored(_abstract(leaf))
+    leaves[name] = {"dtype": str(np.dtype(stored.dtype)), "shape": list(stored.shape),
+                    "sha256": None if value is None else _digest(value)}
   with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(path, tree, force=overwrite)
+    checkpointer.save(tmp, tree, force=True)
     checkpointer.wait_until_finished()
+  if primary:
+    _write_manifest(tmp, leaves)
+    if os.path.exists(path):
+      shutil.rmtree(path)
+    os.replace(tmp, path)
+  _sync("jaxaccum_checkpoint_save_done")  # no process returns before the checkpoint is at `path`
 
 
 def _abstract(x):
@@ -77,6 +261,8 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy arrays and scalars
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
+  if isinstance(x, (bool, int, float, complex)):  # what orbax stores for a Python scalar
+    return jax.ShapeDtypeStruct((), np.asarray(x).dtype)
   raise TypeError(f"like holds a {type(x).__name__} leaf ({x!r}); restore needs arrays or jax.ShapeDtypeStruct")
 
 
@@ -87,8 +273,83 @@ def _as_stored(abstract):
   return abstract
 
 
+def _damaged(path: str, what: str) -> CheckpointCorruptedError:
+  return CheckpointCorruptedError(
+      f"checkpoint at {path} is damaged: {what}. restore read no array from it and left every file as it "
+      "was; restore an earlier checkpoint (or save again from a state you trust)")
+
+
+def _read_manifest(path: str) -> dict | None:
+  file = os.path.join(path, MANIFEST)
+  if not os.path.exists(file):
+    return None
+  try:
+    with open(file, "rb") as f:
+      manifest = json.loads(f.read().decode("utf-8"))
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    if manifest.get("format") != _FORMAT or manifest.get("sha256") != _manifest_body_sha256(body):
+      raise ValueError("checksum")
+    if manifest["version"] > _VERSION:
+      raise CheckpointCorruptedError(f"checkpoint at {path} was written by a newer jaxaccum (manifest version "
+                                     f"{manifest['version']}); upgrade jaxaccum to restore it")
+  except CheckpointCorruptedError:
+    raise
+  except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+    raise _damaged(path, f"its checksum manifest {MANIFEST!r} is damaged (it fails its own checksum)") from None
+  return manifest
+
+
+def _verify_files(path: str, manifest: dict) -> None:
+  """Raises CheckpointCorruptedError naming the first file (and its leaves) that differs from the manifest."""
+  ranges: dict[str, list[dict]] = {}
+  for r in manifest.get("ranges", []):
+    ranges.setdefault(r["file"], []).append(r)
+  for rel, want in sorted(manifest["files"].items()):
+    file = os.path.join(path, rel)
+    if not os.path.isfile(file):
+      problem = "is missing"
+    else:
+      digest, size = _file_sha256(file)
+      if size != want["size"]:
+        problem = f"is {'truncated' if size < want['size'] else 'longer than written'} ({size} bytes, save " \
+                  f"wrote {want['size']})"
+      elif digest != want["sha256"]:
+        problem = "differs from what save wrote (sha256 mismatch)"
+      else:
+        continue
+    held = ranges.get(rel, [])
+    if held:
+      hit = [r for r in held if not os.path.isfile(file)
+             or _file_sha256(file, r["offset"], r["length"]) != (r["sha256"], r["length"])]
+      leaves = sorted({leaf for r in (hit or held) for leaf in r["leaves"]})
+      shown = ", ".join(repr(leaf) for leaf in leaves[:8]) + (f" and {len(leaves) - 8} more" if len(leaves) > 8 else "")
+      what = f"array data file {rel!r} {problem}; the damaged data belongs to leaf {shown}" if len(leaves) == 1 \
+          else f"array data file {rel!r} {problem}; it holds the data of leaves {shown}"
+    elif rel.startswith("d" + os.sep) or (os.sep + "d" + os.sep) in rel:
+      what = f"orbax data file {rel!r} {problem}"
+    else:
+      what = f"metadata file {rel!r} (orbax's record of the tree, shapes and dtypes) {problem}"
+    raise _damaged(path, what)
+
+
+def _verify_values(path: str, manifest: dict, restored) -> None:
+  saved = manifest["leaves"]
+  for name, leaf in _flat(restored).items():
+    want = saved.get(name)
+    if not want or want.get("sha256") is None:
+      continue
+    value = _host_value(leaf)
+    if value is None or str(value.dtype) != want["dtype"] or list(value.shape) != want["shape"]:
+      continue
+    if _digest(value) != want["sha256"]:
+      raise CheckpointCorruptedError(
+          f"checkpoint at {path} is damaged: leaf {name!r} was restored with values that differ from those "
+          "saved (sha256 of its values mismatch) although its files match their checksums; do not use this "
+          "restored state")
+
+
 def restore(path, like):
-  """Reads the checkpoint at `path` into the structure, dtypes and shardings of `like`.
+  """Reads the checkpoint at `path` into the structure, dtypes and shardings of `like`, verifying checksums.
 
   Args:
     path: a directory written by `save`.
@@ -102,32 +363,60 @@ def restore(path, like):
 
   Raises:
     FileNotFoundError: no checkpoint at `path`.
+    CheckpointCorruptedError: (a ValueError) a file is missing, truncated or
+      differs from its checksum, or a restored leaf's values differ from those
+      saved; the message names the file and the leaf. Raised before orbax reads
+      any array from a damaged file.
     ValueError: the checkpoint's tree differs from `like` (the message names
-      the first differing path); the files are left as they were.
+      the first differing path). In every case the files are left as they were.
+
+  Warns:
+    UnverifiedCheckpointWarning: the checkpoint has no manifest (written by
+      jaxaccum before checksums, or by plain orbax); it is restored unverified.
   """
   path = _path(path)
   if not os.path.isdir(path) or not os.listdir(path):
     raise FileNotFoundError(f"no checkpoint at {path=}")
   abstract = jax.tree.map(_abstract, like)
+  manifest = _read_manifest(path)
+  if manifest is None:
+    warnings.warn(f"checkpoint at {path} has no {MANIFEST} (written by jaxaccum before checkpoints carried "
+                  "checksums, or by plain orbax): restoring it without verifying its data",
+                  UnverifiedCheckpointWarning, stacklevel=2)
+  else:
+    _verify_files(path, manifest)
+  problem, restored = None, None
   with ocp.StandardCheckpointer() as checkpointer:
     metadata = checkpointer.metadata(path).item_metadata
     stored = metadata.tree if hasattr(metadata, "tree") else metadata
     stored = _flat(stored, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
-    wanted = _flat(abstract)
-    for name in sorted(set(stored) | set(wanted)):
-      if name not in stored:
-        raise ValueError(f"checkpoint at {path} does not match like: like has a leaf at {name!r} that the "
-                         f"checkpoint lacks (checkpoint leaves: {sorted(stored)[:8]}...)")
-      if name not in wanted:
-        raise ValueError(f"checkpoint at {path} does not match like: the checkpoint has a leaf at {name!r} "
-                         "that like lacks")
-      s, w = stored[name], _as_stored(wanted[name])
-      if tuple(s.shape) != tuple(w.shape) or jax.numpy.dtype(s.dtype) != jax.numpy.dtype(w.dtype):
-        raise ValueError(f"checkpoint at {path} does not match like at {name!r}: stored "
-                         f"{s.dtype}{list(s.shape)}, like {w.dtype}{list(w.shape)}")
-    try:
-      return checkpointer.restore(path, abstract)
-    except ValueError as e:  # same leaves, other containers (e.g. adam's state against adamw's)
-      if "structure" not in str(e):
-        raise
-      raise ValueError(f"checkpoint at {path} does not match like: {e}") from None
+    problem = _mismatch(path, stored, _flat(abstract))
+    if problem is None:
+      try:
+        restored = checkpointer.restore(path, abstract)
+      except ValueError as e:  # same leaves, other containers (e.g. adam's state against adamw's)
+        if "structure" not in str(e):
+          raise
+        # orbax's message suggests restore options (partial_restore=...) that ja.checkpoint.restore does not take.
+        problem = (f"checkpoint at {path} does not match like: the same leaves sit in other containers (e.g. the "
+                   f"state of another optimizer); checkpoint leaves: {sorted(stored)[:8]}")
+  # Raised outside the checkpointer's context, so that its shutdown runs first.
+  if problem is not None:
+    raise ValueError(problem)
+  if manifest is not None:
+    _verify_values(path, manifest, restored)
+  return restored
+
+
+def _mismatch(path: str, stored: dict, wanted: dict) -> str | None:
+  for name in sorted(set(stored) | set(wanted)):
+    if name not in stored:
+      return (f"checkpoint at {path} does not match like: like has a leaf at {name!r} that the checkpoint lacks "
+              f"(checkpoint leaves: {sorted(stored)[:8]}...)")
+    if name not in wanted:
+      return f"checkpoint at {path} does not match like: the checkpoint has a leaf at {name!r} that like lacks"
+    s, w = stored[name], _as_stored(wanted[name])
+    if tuple(s.shape) != tuple(w.shape) or np.dtype(s.dtype) != np.dtype(w.dtype):
+      return (f"checkpoint at {path} does not match like at {name!r}: stored {s.dtype}{list(s.shape)}, "
+              f"like {w.dtype}{list(w.shape)}")
+  return None

@@ -1,6 +1,7 @@
 """ja.checkpoint: save mid-window, restore, continue == never interrupted, bit for bit."""
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -195,3 +197,114 @@ def test_mismatched_tree_is_a_clear_error_and_leaves_the_files(tmp_path):
   restored = ja.checkpoint.restore(path, (params, state))  # the checkpoint still reads
   chex.assert_trees_all_equal(restored, (params, state))
   np.testing.assert_array_equal(restored[1].micro_step, 0)
+
+
+def _damaged_checkpoint_fixture(tmp_path):
+  """A checkpoint with small leaves (inline in orbax's b-tree) and one 40x30 leaf (its own data range)."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  big = jnp.asarray(np.random.default_rng(0).normal(size=(40, 30)))  # random: zstd stores it raw
+  tree = ({"params": params, "big": big}, ja.accumulate(optax.adam(0.05), K).init(params))
+  path = tmp_path / "ck"
+  ja.checkpoint.save(path, tree)
+  manifest = json.loads((path / ja.checkpoint.MANIFEST).read_text())
+  big_file = [r["file"] for r in manifest["ranges"] if r["leaves"] == ["0/big"]]
+  assert len(big_file) == 1, manifest["ranges"]
+  return path, tree, big_file[0]
+
+
+def _flip(file, at=None):
+  data = bytearray(file.read_bytes())
+  at = len(data) // 2 if at is None else at
+  data[at] ^= 0x40
+  file.write_bytes(bytes(data))
+
+
+def _restore_fails(path, like, capfd, match):
+  """restore raises CheckpointCorruptedError matching `match`, prints nothing and leaves every file as it was."""
+  before = _digest(path)
+  capfd.readouterr()
+  with pytest.raises(ja.checkpoint.CheckpointCorruptedError, match=match) as info:
+    ja.checkpoint.restore(path, like)
+  out, err = capfd.readouterr()
+  assert out + err == "", (out + err)[-3000:]  # no TensorStore dump, no "Event loop is closed"
+  assert _digest(path) == before
+  assert isinstance(info.value, ValueError)
+  message = str(info.value)
+  assert str(path) in message and "partial_restore" not in message
+  return message
+
+
+def test_damaged_checkpoint_is_a_clear_error_naming_file_and_leaf(tmp_path, capfd):
+  path, tree, big_file = _damaged_checkpoint_fixture(tmp_path)
+  clean = {rel: (path / rel).read_bytes() for rel in _digest(path)}
+
+  def reset():
+    for rel in _digest(path):
+      if rel not in clean:
+        os.remove(path / rel)
+    for rel, data in clean.items():
+      (path / rel).parent.mkdir(parents=True, exist_ok=True)
+      (path / rel).write_bytes(data)
+
+  # One flipped byte in the big leaf's data (before checksums: restored silently with one wrong value).
+  _flip(path / big_file)
+  _restore_fails(path, tree, capfd, rf"array data file '{big_file}' differs.*leaf '0/big'")
+  reset()
+  # ... in orbax's b-tree node (small leaves are stored inline in it).
+  node = [r["file"] for r in json.loads((path / ja.checkpoint.MANIFEST).read_text())["ranges"]
+          if "0/params/0/w" in r["leaves"]][0]
+  _flip(path / node)
+  _restore_fails(path, tree, capfd, rf"array data file '{node}' differs.*'0/params/0/w'")
+  reset()
+  # ... in the metadata: the checkpoint is damaged (not "like has an extra leaf").
+  _flip(path / "_METADATA", at=40)
+  message = _restore_fails(path, tree, capfd, r"is damaged: metadata file '_METADATA'")
+  assert "like" not in message
+  reset()
+  # Truncated, and missing, files.
+  (path / big_file).write_bytes(clean[big_file][:100])
+  _restore_fails(path, tree, capfd, rf"'{big_file}' is truncated \(100 bytes, save wrote \d+\).*leaf '0/big'")
+  reset()
+  os.remove(path / big_file)
+  _restore_fails(path, tree, capfd, rf"'{big_file}' is missing.*leaf '0/big'")
+  reset()
+  os.remove(path / "_sharding")
+  _restore_fails(path, tree, capfd, r"metadata file '_sharding'.* is missing")
+  reset()
+  # A damaged manifest.
+  _flip(path / ja.checkpoint.MANIFEST, at=60)
+  _restore_fails(path, tree, capfd, r"manifest 'jaxaccum_manifest.json' is damaged")
+  reset()
+
+  # Damage the file checksums cannot see (here: the manifest rewritten to match a damaged file) is caught by
+  # the leaf's value checksum once restored.
+  _flip(path / big_file)
+  manifest = json.loads((path / ja.checkpoint.MANIFEST).read_text())
+  del manifest["sha256"]
+  manifest["files"][big_file]["sha256"] = hashlib.sha256((path / big_file).read_bytes()).hexdigest()
+  for r in manifest["ranges"]:
+    if r["file"] == big_file:
+      r["sha256"] = hashlib.sha256((path / big_file).read_bytes()[r["offset"]:r["offset"] + r["length"]]).hexdigest()
+  manifest["sha256"] = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+  (path / ja.checkpoint.MANIFEST).write_text(json.dumps(manifest))
+  _restore_fails(path, tree, capfd, r"leaf '0/big' was restored with values that differ")
+  reset()
+
+  restored = ja.checkpoint.restore(path, tree)  # the clean checkpoint still reads, bit for bit
+  chex.assert_trees_all_equal(restored, tree)
+
+
+def test_checkpoint_without_manifest_restores_with_a_warning(tmp_path):
+  # As written by jaxaccum before checksums (plain orbax).
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "old", params)
+  with pytest.warns(ja.checkpoint.UnverifiedCheckpointWarning, match="without verifying"):
+    restored = ja.checkpoint.restore(tmp_path / "old", params)
+  chex.assert_trees_all_equal(restored, params)
+  # A fresh save leaves only the checkpoint (the temporary directory is renamed).
+  ja.checkpoint.save(tmp_path / "new", params)
+  assert sorted(os.listdir(tmp_path)) == ["new", "old"]
+  assert (tmp_path / "new" / ja.checkpoint.MANIFEST).is_file()
+  ja.checkpoint.save(tmp_path / "new", jax.tree.map(lambda x: x + 1, params), overwrite=True)
+  chex.assert_trees_all_equal(ja.checkpoint.restore(tmp_path / "new", params), jax.tree.map(lambda x: x + 1, params))
