@@ -56,7 +56,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Callable, NamedTuple, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,7 @@ import optax
 
 from jaxaccum import _tree
 
-ScalarOrSchedule = Union[float, Callable[[jax.Array], Any]]
+ScalarOrSchedule = float | Callable[[jax.Array], Any]
 
 
 class NoiseScale(NamedTuple):
@@ -214,7 +215,7 @@ def noise_scale(state) -> NoiseScale:
 class AdaScaleState(NamedTuple):
   """State of `adascale`."""
 
-  count: jax.Array  # int32 scalar: updates made.
+  update_count: jax.Array  # int32 scalar: updates made.
   progress: jax.Array  # float scalar: sum of the gains so far, the scale-invariant step count.
   gain: jax.Array  # float scalar: the gain r of the last update (1 before the first).
   inner_state: Any  # `inner`'s state.
@@ -296,7 +297,7 @@ def adascale(
     inner: the optimizer whose updates are scaled (with its own learning rate
       when `learning_rate` is None).
     scale: S, the number of base batches in one update: a number >= 1, or a
-      schedule f(count) of the updates made. The base batch is then
+      schedule f(update_count) of the updates made. The base batch is then
       batch_weight / S.
     base_batch_size: instead of `scale`: the base batch b0 in units of weight;
       S = batch_weight / b0 follows the window's weight, which suits a growing
@@ -330,7 +331,7 @@ def adascale(
 
   def init(params):
     return AdaScaleState(
-        count=jnp.zeros([], jnp.int32),
+        update_count=jnp.zeros([], jnp.int32),
         progress=jnp.zeros([], float_dtype),
         gain=jnp.ones([], float_dtype),
         inner_state=inner.init(params),
@@ -350,7 +351,7 @@ def adascale(
     if base_batch_size is not None:
       s = jnp.asarray(batch_weight, float_dtype) / base_batch_size
     elif callable(scale):
-      s = jnp.asarray(scale(state.count), float_dtype)
+      s = jnp.asarray(scale(state.update_count), float_dtype)
     else:
       s = jnp.asarray(scale, float_dtype)
     r = adascale_gain(noise_scale.grad_sq, noise_scale.trace_cov, batch_weight, s).astype(float_dtype)
@@ -361,7 +362,7 @@ def adascale(
       factor = -jnp.asarray(lr, float_dtype) * r
     scaled = jax.tree.map(lambda u: u * factor.astype(u.dtype), inner_updates)
     return scaled, AdaScaleState(
-        count=state.count + 1,
+        update_count=state.update_count + 1,
         progress=state.progress + r,
         gain=r,
         inner_state=inner_state,

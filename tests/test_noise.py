@@ -201,7 +201,7 @@ def test_adascale_scale_one_is_inner_bit_for_bit(make):
   g2s, trs, grads = _stats(jax.random.PRNGKey(3), 6)
   ada, plain = noise.adascale(make(), scale=1), make()
   sa, sp = ada.init(params), plain.init(params)
-  for g2, tr, g in zip(g2s, trs, grads):
+  for g2, tr, g in zip(g2s, trs, grads, strict=True):
     measured = noise.NoiseScale(tr / g2, g2, tr)
     ua, sa = ada.update({"w": g}, sa, params, noise_scale=measured, batch_weight=16.0)
     up, sp = plain.update({"w": g}, sp, params)
@@ -216,7 +216,7 @@ def test_adascale_scales_the_update_and_counts_progress():
   ada = noise.adascale(optax.sgd(0.1), scale=lambda count: 2.0 + count)
   state = ada.init(params)
   progress = 0.0
-  for i, (g2, tr, g) in enumerate(zip(g2s, trs, grads)):
+  for i, (g2, tr, g) in enumerate(zip(g2s, trs, grads, strict=True)):
     measured = noise.NoiseScale(tr / g2, g2, tr)
     u, state = ada.update({"w": g}, state, params, noise_scale=measured, batch_weight=32.0)
     r = plain_gain(float(g2), float(tr), 32.0, 2.0 + i)
@@ -224,7 +224,7 @@ def test_adascale_scales_the_update_and_counts_progress():
     progress += r
     np.testing.assert_allclose(float(state.gain), r, rtol=RTOL)
   np.testing.assert_allclose(float(state.progress), progress, rtol=RTOL)
-  assert int(state.count) == 5
+  assert int(state.update_count) == 5
 
 
 def test_adascale_learning_rate_schedule_runs_on_progress():
@@ -234,7 +234,7 @@ def test_adascale_learning_rate_schedule_runs_on_progress():
   ada = noise.adascale(optax.identity(), base_batch_size=4.0, learning_rate=schedule)
   state = ada.init(params)
   progress = 0.0
-  for g2, tr, g in zip(g2s, trs, grads):
+  for g2, tr, g in zip(g2s, trs, grads, strict=True):
     measured = noise.NoiseScale(tr / g2, g2, tr)
     u, state = ada.update({"w": g}, state, params, noise_scale=measured, batch_weight=24.0)
     r = plain_gain(float(g2), float(tr), 24.0, 6.0)
