@@ -149,10 +149,10 @@ def _leaf_ranges(path: str, names) -> list[dict]:
 
     def leaf_of(key) -> str:
       key = key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
-      parts = key.split("/")
-      for i in range(len(parts), 0, -1):
-        if ".".join(parts[:i]) in by_key or "/".join(parts[:i]) in by_key:
-          return by_key.get("/".join(parts[:i]), by_key.get(".".join(parts[:i])))
+      parts = key.split("/")  # "<leaf, '.'-joined>/<zarr chunk or .zarray>"
+      for i in range(len(parts) - 1, 0, -1):
+        if "/".join(parts[:i]) in by_key:
+          return by_key["/".join(parts[:i])]
       return parts[0]
 
     ranges: dict[tuple[str, int, int], set[str]] = {}
@@ -240,7 +240,7 @@ def save(path, tree, *, overwrite: bool = False) -> None:
   leaves = {}
   for name, leaf in _flat(tree).items():
     value = _host_value(leaf)
-    stored = _as_stored(_abstract(leaf))
+    stored = _as_stored(_abstract(leaf if hasattr(leaf, "dtype") else np.asarray(leaf)))  # a Python scalar
     leaves[name] = {"dtype": str(np.dtype(stored.dtype)), "shape": list(stored.shape),
                     "sha256": None if value is None else _digest(value)}
   with ocp.StandardCheckpointer() as checkpointer:
@@ -261,8 +261,6 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy arrays and scalars
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
-  if isinstance(x, (bool, int, float, complex)):  # what orbax stores for a Python scalar
-    return jax.ShapeDtypeStruct((), np.asarray(x).dtype)
   raise TypeError(f"like holds a {type(x).__name__} leaf ({x!r}); restore needs arrays or jax.ShapeDtypeStruct")
 
 
