@@ -4,12 +4,16 @@ A plain text count of "all-reduce" also matches instruction names, metadata and
 operand references; these helpers parse the instruction lines instead and know
 which computation each instruction lives in, so that a test or a benchmark can
 tell "one all-reduce per step" from "one all-reduce inside the loop body".
+`collectives` also reads each collective's replica groups (to tell mesh axes
+apart, see `mesh_groups`) and its bytes (to sum what a step sends).
 """
 
 from __future__ import annotations
 
 import collections
 import re
+
+import numpy as np
 
 # `  %name = shape opcode(operands), attributes` (older XLA) or `  name = ...` (newer).
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\(")
@@ -90,3 +94,147 @@ def locate(hlo_text: str, opcode: str = "all-reduce") -> collections.Counter:
   if entry is not None:
     visit(entry, "top", set())
   return where
+
+
+# --------------------------------------------------------------------------- collectives with shapes and groups
+
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+
+_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[0-9,\s]*\},?\s*)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+
+
+class Collective(collections.namedtuple(
+    "Collective", "opcode where groups result_bytes operand_bytes ring_bytes")):
+  """One collective instruction of a compiled module.
+
+  `where`: "top", "loop" or "branch" as in `locate`. `groups`: a frozenset of
+  frozensets of logical device ids (positions in the mesh's device order), or
+  None when the instruction names no groups (all devices). `result_bytes`,
+  `operand_bytes`: bytes of the result and of the operand(s) on one device.
+  `ring_bytes`: bytes one device sends in a ring implementation:
+  2 (n-1)/n of the operand for an all-reduce, (n-1)/n for a reduce-scatter,
+  (n-1) x the operand for an all-gather, for groups of n devices.
+  """
+
+
+def _array_bytes(text: str) -> int:
+  total = 0
+  for dtype, dims in _ARRAY.findall(text):
+    size = _BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
+    if size is None:
+      continue
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += n * size
+  return total
+
+
+def _groups(line: str):
+  m = _IOTA_GROUPS.search(line)
+  if m:
+    shape = [int(x) for x in m.group(1).split(",")]
+    dims = [int(x) for x in m.group(2).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(3):
+      ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    return frozenset(frozenset(int(i) for i in row) for row in ids.reshape(shape))
+  m = _LIST_GROUPS.search(line)
+  if m and m.group(1).strip():
+    rows = re.findall(r"\{([0-9,\s]*)\}", m.group(1))
+    return frozenset(frozenset(int(i) for i in row.split(",") if i.strip()) for row in rows)
+  return None
+
+
+def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
+  """Every collective instruction reachable from the entry, with where it runs, its groups and bytes.
+
+  Async `-start`/`-done` pairs count once (at the start). `num_devices` sizes
+  the group of an instruction that names none (default: the largest id seen + 1).
+  """
+  computations: dict[str, list] = {}
+  entry = None
+  current = None
+  for line in hlo_text.splitlines():
+    if current is None:
+      m = _HEADER.match(line)
+      if m and "=" not in line.split("(")[0]:
+        current = m.group(2)
+        computations[current] = []
+        if m.group(1):
+          entry = current
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    opcode = m.group(2)
+    called = []
+    for kind, target in _CALLED.findall(line):
+      names = target.strip("{}").split(",")
+      called.extend((kind, n.strip().lstrip("%")) for n in names if n.strip())
+    computations[current].append((opcode, m.group(1), line, called))
+
+  found: list = []
+  seen: set = set()
+
+  def visit(name, context):
+    if name not in computations or (name, context) in seen:
+      return
+    seen.add((name, context))
+    for opcode, result, line, called in computations[name]:
+      base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
+      if base in COLLECTIVES and not opcode.endswith("-done"):
+        out = _ARRAY.findall(result)
+        # An async start returns (operands..., results...): the result is the last array.
+        result_bytes = _array_bytes(result) if base == opcode else _array_bytes("%s[%s]" % out[-1]) if out else 0
+        found.append((base, context, _groups(line), result_bytes))
+      for kind, target in called:
+        if kind in ("body", "condition"):
+          sub = "loop"
+        elif kind in ("true_computation", "false_computation", "branch_computations"):
+          sub = context if context == "loop" else "branch"
+        else:
+          sub = context
+        visit(target, sub)
+
+  if entry is not None:
+    visit(entry, "top")
+  biggest = max((max(max(g) for g in groups) + 1 for _, _, groups, _ in found if groups), default=1)
+  n_all = num_devices or biggest
+  out = []
+  for opcode, where, groups, result_bytes in found:
+    n = len(next(iter(groups))) if groups else n_all
+    if opcode == "reduce-scatter":
+      operand, ring = result_bytes * n, result_bytes * (n - 1)
+    elif opcode == "all-gather":
+      operand = result_bytes // n
+      ring = operand * (n - 1)
+    elif opcode == "all-reduce":
+      operand, ring = result_bytes, 2 * (n - 1) * result_bytes / n
+    else:
+      operand, ring = result_bytes, result_bytes
+    out.append(Collective(opcode, where, groups, result_bytes, operand, ring))
+  return out
+
+
+def mesh_groups(shape: tuple[int, ...], names: tuple[str, ...], axes) -> frozenset:
+  """The replica groups of a collective over `axes` of a mesh of `shape` and axis `names`.
+
+  Logical device ids are positions in the mesh's device order, as XLA numbers
+  them for a `jit` over that mesh.
+  """
+  axes = (axes,) if isinstance(axes, str) else tuple(axes)
+  ids = np.arange(int(np.prod(shape))).reshape(shape)
+  moved = [names.index(a) for a in axes]
+  rest = [i for i in range(len(shape)) if i not in moved]
+  ids = ids.transpose(rest + moved).reshape(-1, int(np.prod([shape[i] for i in moved])))
+  return frozenset(frozenset(int(i) for i in row) for row in ids)
