@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from typing import Any
 
@@ -40,9 +41,18 @@ def cast_tree(tree, dtype):
   return jax.tree.map(lambda x: x.astype(dtype) if x.dtype != dtype else x, tree)
 
 
+def dtype_of(x) -> jnp.dtype:
+  """The dtype of an array, or the one JAX gives a Python scalar (optax accepts `{"w": 1.0}`)."""
+  dtype = getattr(x, "dtype", None)
+  return jnp.dtype(dtype) if dtype is not None else jnp.result_type(x)
+
+
 def cast_like(tree, like):
-  """Casts every leaf of `tree` to the dtype of the matching leaf of `like`."""
-  return jax.tree.map(lambda x, y: x.astype(y.dtype) if x.dtype != y.dtype else x, tree, like)
+  """Casts every leaf of `tree` to the dtype of the matching leaf of `like` (Python scalars included)."""
+  def cast(x, y):
+    x, dtype = jnp.asarray(x), dtype_of(y)
+    return x.astype(dtype) if x.dtype != dtype else x
+  return jax.tree.map(cast, tree, like)
 
 
 def all_finite(tree) -> jax.Array:
@@ -74,11 +84,68 @@ def check_same_structure(tree, reference, name: str, reference_name: str) -> Non
   """Raises a ValueError when `tree` does not have the structure and shapes of `reference`."""
   td, rd = jax.tree.structure(tree), jax.tree.structure(reference)
   if td != rd:
+    # Name the user's leaves where the two differ; the treedefs only when the
+    # leaf paths agree (a container type differs, e.g. a tuple for a list).
+    paths, ref_paths = leaf_paths(tree), leaf_paths(reference)
+    in_tree, in_ref = set(paths), set(ref_paths)
+    extra = [q for q in paths if q not in in_ref]
+    missing = [q for q in ref_paths if q not in in_tree]
+    if extra or missing:
+      parts = []
+      if extra:
+        parts.append(f"{name} has leaves {_first(extra)} that {reference_name} lacks")
+      if missing:
+        parts.append(f"{name} lacks the leaves {_first(missing)} that {reference_name} has")
+      raise ValueError(f"{name} does not match {reference_name}: " + "; ".join(parts))
     raise ValueError(
-        f"{name} does not match {reference_name}: tree structure {td} != {rd}")
+        f"{name} does not match {reference_name}: same leaves, other containers: tree structure {td} != {rd}")
   for path_and_leaf, ref in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(reference)):
     path, leaf = path_and_leaf
     if jnp.shape(leaf) != jnp.shape(ref):
       raise ValueError(
           f"{name} does not match {reference_name} at {jax.tree_util.keystr(path)}: "
           f"shape {jnp.shape(leaf)} != {jnp.shape(ref)}")
+
+
+def _first(items, n: int = 6) -> str:
+  shown = " ".join(items[:n])
+  return f"{shown} ... ({len(items) - n} more)" if len(items) > n else shown
+
+
+def check_optimizer(value, name: str = "inner"):
+  """Returns `value` when it is an optax-style transformation (callable `init` and `update`), else raises.
+
+  The commonest slip is passing the factory (`optax.adam`) instead of the
+  optimizer (`optax.adam(1e-3)`); the message says to call it.
+  """
+  if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
+    return value
+  if callable(value):
+    fn = getattr(value, "__name__", None) or type(value).__name__
+    module = getattr(value, "__module__", None) or ""
+    shown = f"optax.{fn}" if module.split(".")[0] == "optax" else fn
+    try:
+      takes_lr = "learning_rate" in inspect.signature(value).parameters
+    except (TypeError, ValueError):
+      takes_lr = False
+    example = f"{shown}(1e-3)" if takes_lr else f"{shown}(...)"
+    raise TypeError(
+        f"{name}={shown} is a function that makes an optimizer, not an optimizer: call it: {name}={example}")
+  raise TypeError(
+      f"{name}={value!r} must be an optax GradientTransformation (e.g. optax.adam(1e-3)), "
+      f"got {type(value).__name__}")
+
+
+def describe(tree, depth: int = 2) -> str:
+  """A short name for the container types of `tree` (for error messages): `tuple(ScaleByAdamState, EmptyState)`."""
+  if isinstance(tree, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, numbers.Number)):
+    return "array"
+  name = type(tree).__name__
+  if depth > 0 and isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):
+    return f"{name}({', '.join(describe(x, depth - 1) for x in tree)})"
+  return name
+
+
+def leaf_paths(tree) -> list[str]:
+  """The key paths of the leaves of `tree`, as `jax.tree_util.keystr` writes them (`['w']`, `[0]['b']`)."""
+  return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]

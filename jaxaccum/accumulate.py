@@ -53,10 +53,17 @@ class AccumulateState(NamedTuple):
   # sum_i w_i g_i over the current window, in the accumulator dtype. Reset
   # lazily: while micro_step == 0 it still holds the last window's sum.
   acc_grads: Any
-  acc_weight: jax.Array  # sum_i w_i, reset like acc_grads (skipped microbatches excluded).
+  acc_weight: jax.Array  # sum_i w_i, reset like acc_grads (dropped microbatches excluded).
   inner_state: Any  # `inner`'s state; it advances only on real updates.
-  num_skipped: jax.Array  # int32 scalar: non-finite microbatches dropped so far (all windows).
+  # int32 scalar: microbatches dropped so far (all windows): an invalid traced
+  # weight (NaN, Inf, < 0), or with skip_nonfinite a NaN/Inf gradient of weight > 0.
+  num_skipped: jax.Array
+  num_empty_windows: jax.Array  # int32 scalar: windows that ended with total weight 0 and applied nothing.
   updated: jax.Array  # bool scalar: the last call emitted a real update (see `has_updated`).
+
+
+def _same_structure(tree, reference) -> bool:
+  return reference is None or jax.tree.structure(tree) == jax.tree.structure(reference)
 
 
 def has_updated(state: AccumulateState) -> jax.Array:
@@ -64,10 +71,6 @@ def has_updated(state: AccumulateState) -> jax.Array:
   if not isinstance(state, AccumulateState):
     raise TypeError(f"state must be an AccumulateState, got {type(state).__name__}")
   return state.updated
-
-
-def _zeros_like(tree):
-  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), x.dtype), tree)
 
 
 def _check_every_k(every_k: EveryK) -> EveryK:
@@ -89,18 +92,30 @@ def _check_k_value(k, what: str) -> None:
 
 
 def _check_weight(weight):
-  """Validates `weight` when it has a value now; returns it as an array or None."""
+  """Validates `weight` as far as it has a value now; returns it as an array or None.
+
+  A concrete weight that is NaN, Inf or negative raises; a traced one cannot,
+  and `step` drops its microbatch instead. Zero is a valid weight (a
+  microbatch of padding only): it adds nothing.
+  """
   if weight is None:
     return None
-  weight = jnp.asarray(weight)
+  given = weight
+  if isinstance(weight, (str, bytes, bool, np.bool_, complex)):
+    raise TypeError(f"weight={given!r} must be a real number, got {type(given).__name__}")
+  try:
+    weight = jnp.asarray(weight)
+  except TypeError:
+    raise TypeError(f"weight={given!r} must be a real number, got {type(given).__name__}") from None
   if weight.ndim != 0:
     raise ValueError(f"weight must be a scalar, got shape {weight.shape}")
-  if not jnp.issubdtype(weight.dtype, jnp.number) or weight.dtype == jnp.bool_:
-    raise TypeError(f"weight={weight!r} must be a real number")
+  if (not jnp.issubdtype(weight.dtype, jnp.number) or weight.dtype == jnp.bool_
+      or jnp.issubdtype(weight.dtype, jnp.complexfloating)):
+    raise TypeError(f"weight={given!r} must be a real number, got dtype {weight.dtype}")
   if _tree.is_concrete(weight):
     value = float(weight)
-    if not np.isfinite(value) or value <= 0:
-      raise ValueError(f"weight={value!r} must be finite and > 0")
+    if not np.isfinite(value) or value < 0:
+      raise ValueError(f"weight={value!r} must be finite and >= 0 (a weight of 0 adds nothing)")
   return weight
 
 
@@ -161,6 +176,7 @@ def accumulate(
       the state, a concrete weight that is not finite and > 0, or an
       `axis_name` that is not bound.
   """
+  inner = _tree.check_optimizer(inner, "inner")
   every_k = _check_every_k(every_k)
   if axis_name is not None:
     parallel.validate_axis_name(axis_name)
@@ -177,8 +193,10 @@ def accumulate(
   inner = optax.with_extra_args_support(inner)
 
   def init(params):
+    # zeros_like, not zeros(shape): the accumulator takes each parameter's
+    # sharding (eager, and inside jit where it is known, e.g. Explicit axes).
     acc_grads = jax.tree.map(
-        lambda p: jnp.zeros(jnp.shape(p), _tree.accumulator_dtype(p.dtype, accumulator_dtype)), params)
+        lambda p: jnp.zeros_like(p, dtype=_tree.accumulator_dtype(_tree.dtype_of(p), accumulator_dtype)), params)
     weight_dtype = _tree.widest(x.dtype for x in jax.tree.leaves(acc_grads))
     return AccumulateState(
         micro_step=jnp.zeros([], jnp.int32),
@@ -187,6 +205,7 @@ def accumulate(
         acc_weight=jnp.zeros([], weight_dtype),
         inner_state=inner.init(params),
         num_skipped=jnp.zeros([], jnp.int32),
+        num_empty_windows=jnp.zeros([], jnp.int32),
         updated=jnp.zeros([], jnp.bool_),
     )
 
@@ -200,6 +219,29 @@ def accumulate(
       _check_k_value(k, f"every_k({at})")
     return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
 
+  def check_state(state, grads):
+    expected = _expected_inner_state(grads)
+    if not isinstance(state, AccumulateState):
+      holding = "" if expected is None else f", holding inner's {_tree.describe(expected)}"
+      hint = ""
+      if expected is not None and _same_structure(state, expected):
+        hint = ": that is the state of `inner` itself; pass the state from this accumulate's init(params)"
+      raise TypeError(
+          f"state must be an AccumulateState (made by this accumulate's init(params){holding}), "
+          f"got {_tree.describe(state)}{hint}")
+    if expected is not None and not _same_structure(state.inner_state, expected):
+      raise TypeError(
+          f"state.inner_state does not match inner: inner.init gives {_tree.describe(expected)}, the state "
+          f"holds {_tree.describe(state.inner_state)} (a state made by another optimizer's init? pass the "
+          f"state from this accumulate's init(params))")
+
+  def _expected_inner_state(grads):
+    """The shape of `inner.init`'s state (trace time only), or None when it cannot be traced here."""
+    try:
+      return jax.eval_shape(inner.init, grads)
+    except Exception:  # noqa: BLE001 -- a diagnostic only: no verdict rather than a wrong one.
+      return None
+
   def step(grads, state, params, weight, extra_args, apply: bool):
     """One microbatch. Returns (updates, state), or (new params, state) when `apply`.
 
@@ -208,9 +250,9 @@ def accumulate(
     params-sized zero updates are materialised and nothing is written to the
     parameters (see `apply_gradients`).
     """
-    if not isinstance(state, AccumulateState):
-      raise TypeError(f"state must be an AccumulateState, got {type(state).__name__}")
-    _tree.check_same_structure(grads, state.acc_grads, "grads", "the accumulator state.acc_grads")
+    _tree.check_same_structure(grads, getattr(state, "acc_grads", grads), "grads", "the accumulator state.acc_grads")
+    grads = jax.tree.map(jnp.asarray, grads)  # optax accepts Python scalars as leaves
+    check_state(state, grads)
     if apply:
       _tree.check_same_structure(params, state.acc_grads, "params", "the accumulator state.acc_grads")
     weight = _check_weight(weight)
@@ -218,12 +260,25 @@ def accumulate(
       parallel.check_axis_name(axis_name)
       parallel.check_varying(grads, axis_name)
 
-    finite = _tree.all_finite(grads) if skip_nonfinite else None
+    # Which microbatches count. weight == 0: a normal microbatch that adds
+    # nothing (even a NaN gradient: selected, never multiplied by 0). An
+    # invalid traced weight (NaN, Inf, < 0): dropped and counted. With
+    # skip_nonfinite, a NaN/Inf gradient of weight > 0: dropped and counted.
+    # `keep` is None where every microbatch counts by construction.
+    keep = dropped = None
+    if weight is not None:
+      valid = jnp.isfinite(weight) & (weight >= 0)
+      keep, dropped = valid & (weight > 0), jnp.logical_not(valid)
+    if skip_nonfinite:
+      finite = _tree.all_finite(grads)
+      bad_grads = jnp.logical_not(finite) if keep is None else keep & jnp.logical_not(finite)
+      keep = finite if keep is None else keep & finite
+      dropped = bad_grads if dropped is None else dropped | bad_grads
     num_skipped = state.num_skipped
-    if finite is not None:
-      num_skipped = num_skipped + jnp.logical_not(finite).astype(jnp.int32)
+    if dropped is not None:
+      num_skipped = num_skipped + dropped.astype(jnp.int32)
 
-    # The micro-step: one fused pass per leaf, acc <- (new window ? 0 : acc) + w g.
+    # The micro-step: one fused pass per leaf, acc <- (new window ? 0 : acc) + (keep ? w g : 0).
     # The accumulator is reset lazily, on the first add of the next window,
     # rather than zeroed at the window's end: that keeps the add outside the
     # cond and in place in a donated buffer (XLA copies values that pass
@@ -234,23 +289,43 @@ def accumulate(
       g = g.astype(acc.dtype)
       if weight is not None:
         g = g * weight.astype(acc.dtype)
-      if finite is not None:
-        g = jnp.where(finite, g, jnp.zeros_like(g))  # NaN * 0 is NaN: select, don't scale.
+      if keep is not None:
+        g = jnp.where(keep, g, jnp.zeros_like(g))  # NaN * 0 is NaN: select, don't scale.
       return jnp.where(new_window, jnp.zeros_like(acc), acc) + g
 
     acc_grads = jax.tree.map(add_leaf, state.acc_grads, grads)
     w = jnp.ones([], state.acc_weight.dtype) if weight is None else weight.astype(state.acc_weight.dtype)
-    if finite is not None:
-      w = jnp.where(finite, w, jnp.zeros_like(w))
+    if keep is not None:
+      w = jnp.where(keep, w, jnp.zeros_like(w))
     acc_weight = jnp.where(new_window, jnp.zeros_like(w), state.acc_weight) + w
 
-    def idle(params):
-      """What a call that applies nothing returns: zero updates, or the parameters as they are."""
-      return params if apply else _zeros_like(grads)
+    k = window_length(state.update_count)
+    single = isinstance(k, int) and k == 1
+    # A window can end empty (total weight 0) only if some microbatch may not count;
+    # a window-end call that counts by construction (weight 1) makes it non-empty.
+    may_be_empty = keep is not None
+
+    update_shapes = None
+    if not apply and (may_be_empty or not single):
+      # The dtypes `inner` gives its updates (trace time only), so that the zero
+      # updates of a call that applies nothing have the same ones.
+      update_shapes = jax.eval_shape(
+          lambda g, s, p: inner.update(g, s, p, **extra_args)[0], grads, state.inner_state, params)
+
+    def idle(acc_grads, params):
+      """What a call that applies nothing returns: zero updates, or the parameters as they are.
+
+      zeros_like the accumulator, not zeros(shape): the zeros carry each
+      parameter's sharding, as the window end's updates do (under Explicit mesh
+      axes the two branches of the cond must agree on it).
+      """
+      if apply:
+        return params
+      return jax.tree.map(lambda a, u: jnp.zeros_like(a, dtype=u.dtype), acc_grads, update_shapes)
 
     def emit(operands):
       """The window's end: all-reduce, mean, `inner`. Runs only in the taken branch."""
-      acc_grads, acc_weight, inner_state, update_count, params = operands
+      acc_grads, acc_weight, inner_state, params = operands
       if axis_name is not None:
         # One psum of the pair; comm_dtype applies to the gradients only, since a
         # token count in bf16 is exact only up to 256.
@@ -260,49 +335,51 @@ def accumulate(
 
       def apply_inner(operands):
         acc_grads, acc_weight, inner_state, params = operands
-        mean = jax.tree.map(lambda a, g: (a / acc_weight.astype(a.dtype)).astype(g.dtype), acc_grads, grads)
+        if single and axis_name is None:
+          # The mean of one microbatch is its gradient: pass it as it is, so that
+          # every_k=1 is `inner` bit for bit (w g / w need not round back to g).
+          mean = grads
+        else:
+          mean = jax.tree.map(lambda a, g: (a / acc_weight.astype(a.dtype)).astype(g.dtype), acc_grads, grads)
         updates, inner_state = inner.update(mean, inner_state, params, **extra_args)
-        updates = _tree.cast_like(updates, grads)
-        return (optax.apply_updates(params, updates) if apply else updates), inner_state
+        return (optax.apply_updates(params, updates) if apply else updates), inner_state, jnp.asarray(True)
 
       def skip_inner(operands):
-        _, _, inner_state, params = operands
-        return idle(params), inner_state
+        acc_grads, _, inner_state, params = operands
+        return idle(acc_grads, params), inner_state, jnp.asarray(False)
 
-      if skip_nonfinite:
-        has_data = acc_weight > 0
-        out, inner_state = parallel.cond(
-            has_data, apply_inner, skip_inner, (acc_grads, acc_weight, inner_state, params))
-      else:
-        has_data = jnp.asarray(True)
-        out, inner_state = apply_inner((acc_grads, acc_weight, inner_state, params))
-      return out, inner_state, update_count + has_data.astype(jnp.int32), has_data
+      if may_be_empty:
+        # Under axis_name the all-reduced total decides: the same on every device.
+        return parallel.cond(acc_weight > 0, apply_inner, skip_inner, (acc_grads, acc_weight, inner_state, params))
+      return apply_inner((acc_grads, acc_weight, inner_state, params))
 
     def hold(operands):
       """A micro-step: `inner`'s state (and with `apply` the parameters) pass through untouched.
 
       Passed-through operands are aliased by XLA when the caller donates them: no copy.
       """
-      _, _, inner_state, update_count, params = operands
-      return idle(params), inner_state, update_count, jnp.asarray(False)
+      acc_grads, _, inner_state, params = operands
+      return idle(acc_grads, params), inner_state, jnp.asarray(False)
 
-    operands = (acc_grads, acc_weight, state.inner_state, state.update_count, params)
-    k = window_length(state.update_count)
-    if isinstance(k, int) and k == 1:
-      out, inner_state, update_count, updated = emit(operands)
+    operands = (acc_grads, acc_weight, state.inner_state, params)
+    if single:
+      out, inner_state, updated = emit(operands)
+      is_last = jnp.asarray(True)
       micro_step = jnp.zeros_like(state.micro_step)
     else:
       micro_step = state.micro_step + 1
       is_last = micro_step >= k
-      out, inner_state, update_count, updated = parallel.cond(is_last, emit, hold, operands)
+      out, inner_state, updated = parallel.cond(is_last, emit, hold, operands)
       micro_step = jnp.where(is_last, jnp.zeros_like(micro_step), micro_step)
+    empty = is_last & jnp.logical_not(updated)
     return out, AccumulateState(
         micro_step=micro_step,
-        update_count=update_count,
+        update_count=state.update_count + updated.astype(state.update_count.dtype),
         acc_grads=acc_grads,
         acc_weight=acc_weight,
         inner_state=inner_state,
         num_skipped=num_skipped,
+        num_empty_windows=state.num_empty_windows + empty.astype(state.num_empty_windows.dtype),
         updated=updated,
     )
 

@@ -98,7 +98,9 @@ def _local_inner_update(name, inner, axis_name, grads, state, params, extra_args
 
 
 def _zeros_like(tree):
-  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), x.dtype), tree)
+  # zeros_like, not zeros(shape): the zeros keep each leaf's sharding (under
+  # Explicit mesh axes the two branches of a cond must agree on it).
+  return jax.tree.map(jnp.zeros_like, tree)
 
 
 def _select(pred, on_true, on_false):
@@ -160,6 +162,7 @@ def local_sgd(
     TypeError/ValueError: `sync_every` not an int >= 1, `axis_name` not a
       string; at update time, `params` missing or `axis_name` unbound.
   """
+  inner = _tree.check_optimizer(inner, "inner")
   sync_every = _tree.check_positive_int(sync_every, "sync_every")
   axis_name = _check_axis_name_arg(axis_name)
   inner = optax.with_extra_args_support(inner)
@@ -235,6 +238,8 @@ def diloco(
   Raises:
     TypeError/ValueError: as `local_sgd`, and a `comm_dtype` that is not floating.
   """
+  inner = _tree.check_optimizer(inner, "inner")
+  outer = _tree.check_optimizer(outer, "outer")
   sync_every = _tree.check_positive_int(sync_every, "sync_every")
   axis_name = _check_axis_name_arg(axis_name)
   if comm_dtype is not None:
@@ -325,6 +330,7 @@ def stale(
     TypeError/ValueError: `delay` not an int >= 0, `staleness_lr_scale` not a
       bool; at update time a grads tree that does not match the buffer.
   """
+  inner = _tree.check_optimizer(inner, "inner")
   if isinstance(delay, (bool, np.bool_)) or not isinstance(delay, numbers.Integral):
     raise TypeError(f"{delay=} must be an integer >= 0, got {type(delay).__name__}")
   if delay < 0:
@@ -335,7 +341,8 @@ def stale(
   inner = optax.with_extra_args_support(inner)
 
   def init(params):
-    buffer = jax.tree.map(lambda p: jnp.zeros((delay,) + jnp.shape(p), p.dtype), params)
+    # Python scalars are leaves optax accepts; the buffer keeps each leaf's dtype.
+    buffer = jax.tree.map(lambda p: jnp.zeros((delay,) + jnp.shape(p), _tree.dtype_of(p)), params)
     return StaleState(
         slot=jnp.zeros([], jnp.int32),
         filled=jnp.zeros([], jnp.int32),
@@ -348,6 +355,7 @@ def stale(
       return updates, state._replace(inner_state=inner_state)
     _tree.check_same_structure(
         grads, jax.tree.map(lambda b: b[0], state.buffer), "grads", "the buffered gradients")
+    grads = jax.tree.map(jnp.asarray, grads)  # optax accepts Python scalars as leaves
     # Read the oldest gradient, then overwrite its slot with the newest: the
     # read is scheduled before the in-place write, so the buffer is not copied.
     oldest = jax.tree.map(lambda b: b[state.slot], state.buffer)

@@ -69,6 +69,13 @@ def _manual_axes() -> tuple:
   return tuple(getattr(mesh, "manual_axes", ()) or ())
 
 
+def _join_dtypes(a, b):
+  """The promotion of two numeric dtypes; `a` itself when either is not numeric (e.g. a PRNG key)."""
+  if a == b or jax.dtypes.issubdtype(a, jax.dtypes.extended) or jax.dtypes.issubdtype(b, jax.dtypes.extended):
+    return a
+  return jnp.promote_types(a, b)
+
+
 def cond(pred, true_fun, false_fun, operands):
   """`lax.cond` whose branches may differ in output dtypes or in the manual axes they vary over.
 
@@ -80,10 +87,12 @@ def cond(pred, true_fun, false_fun, operands):
   invariant while a local one is varying; each output leaf is cast to varying
   over the union of the two branches' axes. Both are found by tracing the
   branches with `jax.eval_shape` (trace time only; nothing extra is compiled).
+  Only numeric dtypes are promoted: a typed PRNG key (`optax.noisy_sgd`'s and
+  `optax.add_noise`'s state) has no promotion and passes as it is.
   """
   true_out = jax.eval_shape(true_fun, operands)
   false_out = jax.eval_shape(false_fun, operands)
-  dtypes = jax.tree.map(lambda a, b: jnp.promote_types(a.dtype, b.dtype), true_out, false_out)
+  dtypes = jax.tree.map(lambda a, b: _join_dtypes(a.dtype, b.dtype), true_out, false_out)
   manual = bool(_manual_axes())
   axes = jax.tree.map(
       lambda a, b: (_varying_axes(a) or frozenset()) | (_varying_axes(b) or frozenset()), true_out, false_out)
@@ -207,9 +216,19 @@ def data_mesh(axis_name: str = "data", devices=None) -> Mesh:
   """A one-dimensional mesh over `devices` (default: every device of every process)."""
   if not isinstance(axis_name, str) or not axis_name:
     raise TypeError(f"{axis_name=} must be a non-empty string")
+  given = devices
   devices = jax.devices() if devices is None else list(devices)
   if not devices:
-    raise ValueError(f"{devices=} must name at least one device")
+    raise ValueError(f"devices={given!r} must name at least one device")
+  seen = set()
+  for i, device in enumerate(devices):
+    if not isinstance(device, jax.Device):
+      raise TypeError(
+          f"devices[{i}]={device!r} must be a jax Device (e.g. from jax.devices()), got "
+          f"{type(device).__name__}: devices={given!r}")
+    if device in seen:
+      raise ValueError(f"devices={given!r} lists {device} twice; each device may appear once in a mesh")
+    seen.add(device)
   return Mesh(np.asarray(devices), (axis_name,))
 
 

@@ -245,7 +245,7 @@ def test_fused_apply_gradients_is_update_then_apply_updates(problem, k, skip_non
     p_plain, s_plain, p_fused, s_fused = two_ways(p_plain, s_plain, p_fused, s_fused, batch, jnp.float64(i + 1))
     chex.assert_trees_all_close(p_fused, p_plain, rtol=RTOL, atol=1e-15)
     chex.assert_trees_all_close(s_fused, s_plain, rtol=RTOL, atol=1e-15)
-    for field in ("micro_step", "update_count", "num_skipped", "updated"):
+    for field in ("micro_step", "update_count", "num_skipped", "num_empty_windows", "updated"):
       assert int(getattr(s_fused, field)) == int(getattr(s_plain, field)), field
   assert int(s_fused.update_count) == (2 if skip_nonfinite else 9 // k)
   with pytest.raises(ValueError, match="params does not match"):
@@ -311,7 +311,7 @@ def test_skip_nonfinite(problem):
     chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, updates))
   chex.assert_trees_all_equal(p2, p)
   chex.assert_trees_all_equal(state.inner_state, before.inner_state)
-  assert int(state.update_count) == 1 and int(state.num_skipped) == 4
+  assert int(state.update_count) == 1 and int(state.num_skipped) == 4 and int(state.num_empty_windows) == 1
   assert not bool(ja.has_updated(state))
 
 
@@ -651,9 +651,12 @@ def test_bad_grads_and_weights():
     tx.update({"w": jnp.ones(2)}, state)
   with pytest.raises(ValueError, match=r"grads does not match.*\['b'\].*shape"):
     tx.update({"w": jnp.ones(2), "b": jnp.ones(4)}, state)
-  for bad in [-1.0, 0.0, float("nan"), float("inf")]:
+  for bad in [-1.0, float("nan"), float("inf")]:
     with pytest.raises(ValueError, match="weight="):
       tx.update(params, state, weight=bad)
+  # A concrete 0 is valid, as a traced one is: the microbatch adds nothing.
+  _, zero = tx.update(params, state, weight=0.0)
+  assert float(zero.acc_weight) == 0.0 and int(zero.micro_step) == 1 and int(zero.num_skipped) == 0
   with pytest.raises(ValueError, match="weight must be a scalar"):
     tx.update(params, state, weight=jnp.ones(2))
   with pytest.raises(TypeError, match="state must be an AccumulateState"):
@@ -674,3 +677,251 @@ def test_bad_axis_name_and_options():
     ja.accumulate(optax.sgd(0.1), 2, accumulator_dtype=jnp.int32)
   with pytest.raises(TypeError, match="skip_nonfinite"):
     ja.accumulate(optax.sgd(0.1), 2, skip_nonfinite=1)
+
+
+# ----------------------------------------------------------------------------- weights under jit
+
+
+def _window_reference(inner, params, windows):
+  """Plain optax on each window's weighted mean, skipping windows of total weight 0.
+
+  `windows`: lists of (grads, weight); a weight that is not a finite number >= 0 is left out.
+  Returns the parameters after each window and the final inner state.
+  """
+  state, out = inner.init(params), []
+  for window in windows:
+    kept = [(g, w) for g, w in window if np.isfinite(w) and w > 0]
+    if kept:
+      total = sum(w for _, w in kept)
+      weighted_sum = lambda *gs: sum(w * g for g, (_, w) in zip(gs, kept, strict=True))
+      mean = jax.tree.map(lambda *gs: weighted_sum(*gs) / total, *[g for g, _ in kept])
+      updates, state = inner.update(mean, state, params)
+      params = optax.apply_updates(params, updates)
+    out.append(params)
+  return out, state
+
+
+def _grads_like(params, seed, nan=False):
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  grads = [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+  if nan:
+    grads = [g.at[(0,) * g.ndim].set(jnp.nan) for g in grads]
+  return jax.tree.unflatten(treedef, grads)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_traced_weights_zero_adds_nothing_invalid_is_dropped_empty_window_applies_nothing(fused, skip_nonfinite):
+  """Weights under jit (issue 11 item 1): weight 0 + NaN gradient adds nothing (not skipped);
+  NaN/Inf/negative weights are dropped and counted; an all-zero window applies nothing."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 4, 2))
+  g = [_grads_like(params, i) for i in range(9)]
+  g_nan = _grads_like(params, 99, nan=True)
+  windows = [
+      [(g[0], 2.0), (g_nan, 0.0), (g[1], 3.0)],            # the zero-weight NaN adds nothing
+      [(g[2], np.nan), (g[3], 1.5), (g[4], -1.0)],         # NaN and negative weights dropped
+      [(g_nan, 0.0), (g[5], 0.0), (g[6], np.inf)],         # empty: nothing applied, state untouched
+      [(g[7], np.inf), (g[8], 4.0), (g_nan, 0.0)],
+  ]
+  inner = optax.adam(0.05)
+  tx = ja.accumulate(inner, 3, skip_nonfinite=skip_nonfinite)
+  if fused:
+    step = jax.jit(lambda g, s, p, w: tx.update.apply_gradients(g, s, p, weight=w))
+  else:
+    step = jax.jit(lambda g, s, p, w: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p, weight=w)))
+  expected, expected_inner = _window_reference(inner, params, windows)
+  p, state = params, tx.init(params)
+  for t, window in enumerate(windows):
+    inner_before = state.inner_state
+    for grads, w in window:
+      p, state = step(grads, state, p, jnp.float64(w))
+    chex.assert_trees_all_close(p, expected[t], rtol=RTOL, atol=1e-15)
+    if t == 2:
+      chex.assert_trees_all_equal(state.inner_state, inner_before)
+      assert not bool(ja.has_updated(state))
+  chex.assert_trees_all_close(state.inner_state, expected_inner, rtol=RTOL, atol=1e-15)
+  assert int(state.update_count) == 3 and int(state.num_empty_windows) == 1
+  assert int(state.num_skipped) == 4  # nan, -1, inf, inf: zero weights are not skipped
+
+
+def test_nonfinite_gradient_with_positive_weight_is_skipped_only_with_skip_nonfinite():
+  params = {"w": jnp.zeros(3)}
+  g_nan = {"w": jnp.array([1.0, jnp.nan, 2.0])}
+  for skip in (False, True):
+    tx = ja.accumulate(optax.sgd(1.0), 2, skip_nonfinite=skip)
+    step = jax.jit(lambda g, s, w: tx.update(g, s, weight=w))
+    state = tx.init(params)
+    _, state = step({"w": jnp.ones(3)}, state, jnp.float64(1.0))
+    updates, state = step(g_nan, state, jnp.float64(1.0))
+    if skip:  # dropped and counted: the window's mean is the finite microbatch alone
+      np.testing.assert_array_equal(updates["w"], -np.ones(3))
+      assert int(state.num_skipped) == 1
+    else:  # added: the user's choice, documented
+      assert np.isnan(np.asarray(updates["w"])[1]) and int(state.num_skipped) == 0
+
+
+def test_an_empty_window_with_every_k_1_and_under_an_axis_the_total_decides():
+  params = {"w": jnp.zeros(2)}
+  tx = ja.accumulate(optax.adam(0.1), 1)
+  updates, state = jax.jit(lambda g, s, w: tx.update(g, s, weight=w))(
+      {"w": jnp.full(2, jnp.nan)}, tx.init(params), jnp.float64(0.0))
+  chex.assert_trees_all_equal(updates, {"w": jnp.zeros(2)})
+  chex.assert_trees_all_equal(state.inner_state, tx.init(params).inner_state)
+  assert (int(state.update_count), int(state.num_empty_windows), bool(state.updated)) == (0, 1, False)
+
+  # Under pmap: only device 0 has weight; the all-reduced total decides, so every device updates.
+  n = 8
+  tx = ja.accumulate(optax.sgd(1.0), 2, axis_name="data")
+  step = jax.pmap(lambda g, s, w: tx.update(g, s, weight=w), axis_name="data")
+  state = jax.tree.map(lambda x: jnp.stack([x] * n), tx.init(params))
+  grads = {"w": jnp.arange(2.0 * n).reshape(n, 2)}
+  for weights in ([1.0] + [0.0] * (n - 1), [2.0] + [0.0] * (n - 1)):
+    grads_i = jax.tree.map(lambda x: x.at[1:].set(jnp.nan), grads)  # zero weight: NaN adds nothing
+    updates, state = step(grads_i, state, jnp.asarray(weights))
+  np.testing.assert_array_equal(updates["w"], -np.broadcast_to(grads["w"][0], (n, 2)))
+  # All weights 0 on all devices: an empty window everywhere.
+  for _ in range(2):
+    updates, state = step(grads, state, jnp.zeros(n))
+  np.testing.assert_array_equal(updates["w"], np.zeros((n, 2)))
+  assert np.asarray(state.num_empty_windows).tolist() == [1] * n
+  assert np.asarray(state.update_count).tolist() == [1] * n
+
+
+# ----------------------------------------------------------------------------- dtypes of updates, keys
+
+
+DTYPE_MIXES = [  # (params dtype, grads dtype, inner)
+    (jnp.float32, jnp.bfloat16, lambda: optax.adam(1e-3)),
+    (jnp.bfloat16, jnp.float32, lambda: optax.adam(1e-3)),
+    (jnp.float32, jnp.float32, lambda: optax.adam(1e-3, mu_dtype=jnp.bfloat16)),
+    (jnp.bfloat16, jnp.bfloat16, lambda: optax.sgd(0.1, momentum=0.9)),
+    (jnp.float64, jnp.float32, lambda: optax.adamw(1e-3, weight_decay=0.1)),
+]
+
+
+@pytest.mark.parametrize("param_dtype, grad_dtype, make_inner", DTYPE_MIXES)
+def test_every_k_1_is_inner_bit_for_bit_in_every_dtype_mix(param_dtype, grad_dtype, make_inner):
+  """Issue 11 item 7: updates come back in the dtype inner gives them, not the gradient's."""
+  params = {"w": jnp.linspace(-1, 1, 24, dtype=param_dtype).reshape(4, 6), "b": jnp.full((6,), 0.1, param_dtype)}
+  inner = make_inner()
+  tx = ja.accumulate(inner, 1)
+  plain, wrapped = jax.jit(inner.update), jax.jit(tx.update)
+  p_state, a_state = inner.init(params), tx.init(params)
+  for i in range(3):
+    grads = jax.tree.map(lambda x: (jnp.cos(x.astype(jnp.float32) * (i + 3)) / 7).astype(grad_dtype), params)
+    expected, p_state = plain(grads, p_state, params)
+    updates, a_state = wrapped(grads, a_state, params)
+    chex.assert_trees_all_equal(updates, expected)  # values and dtypes, bit for bit
+    chex.assert_trees_all_equal(a_state.inner_state, p_state)
+
+
+@pytest.mark.parametrize("param_dtype, grad_dtype, make_inner", DTYPE_MIXES[:3])
+def test_micro_step_zero_updates_have_the_window_end_dtypes(param_dtype, grad_dtype, make_inner):
+  params = {"w": jnp.ones((4, 6), param_dtype), "b": jnp.zeros((6,), param_dtype)}
+  inner = make_inner()
+  tx = ja.accumulate(inner, 3)
+  grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.5, grad_dtype), params)
+  expected_dtypes = jax.tree.map(lambda u: u.dtype, inner.update(grads, inner.init(params), params)[0])
+  update, state = jax.jit(tx.update), tx.init(params)
+  for i in range(3):
+    updates, state = update(grads, state, params)
+    assert jax.tree.map(lambda u: u.dtype, updates) == expected_dtypes, i
+  assert bool(state.updated)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_inner_state_with_typed_prng_keys(problem, k):
+  """Issue 11 item 10: optax.noisy_sgd keeps a typed key in its state; it equals noisy_sgd on window means."""
+  params, loss_fn, data = problem
+  make = lambda: optax.noisy_sgd(0.05, key=jax.random.key(7))
+  micro = split_rows(data, [10] * (2 * k))
+  windows = [[(jax.grad(loss_fn)(params, m), 1.0) for m in micro[j * k:(j + 1) * k]] for j in range(2)]
+  # Gradients fixed in advance (taken at the initial params) keep the reference plain.
+  expected, _ = _window_reference(make(), params, windows)
+  tx = ja.accumulate(make(), k)
+  step = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+  p, state = params, tx.init(params)
+  for j, window in enumerate(windows):
+    for grads, _ in window:
+      p, state = step(grads, state, p)
+    chex.assert_trees_all_close(p, expected[j], rtol=RTOL, atol=1e-15)
+
+
+# ----------------------------------------------------------------------------- sharded parameters
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_sharded_parameters_keep_their_sharding_and_equal_the_plain_reference(axis_type):
+  """Issue 11 item 11: accumulator and zero updates carry each parameter's sharding; eager and jit."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+  sharded, replicated = NamedSharding(mesh, P(None, "x")), NamedSharding(mesh, P())
+  host = {"w": jnp.linspace(-1, 1, 2 * 8 * 4).reshape(2, 8, 4), "b": jnp.full((4,), 0.1)}
+  params = {"w": jax.device_put(host["w"], sharded), "b": jax.device_put(host["b"], replicated)}
+  inner = optax.adam(0.05)
+  k = 3
+  grads = [jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 2)), params) for i in range(2 * k)]
+  windows = [[(jax.tree.map(np.asarray, g), 1.0) for g in grads[j * k:(j + 1) * k]] for j in range(2)]
+  expected, _ = _window_reference(inner, host, windows)
+  tx = ja.accumulate(inner, k)
+
+  state = tx.init(params)  # eager: sharded like the params, 1/8 of the bytes on each device
+  acc = state.acc_grads["w"]
+  assert acc.sharding.is_equivalent_to(sharded, 3)
+  assert {s.data.nbytes for s in acc.addressable_shards} == {acc.nbytes // 8}
+
+  with jax.set_mesh(mesh):
+    jitted = jax.jit(tx.update)
+    p = params
+    for j in range(2):
+      for i in range(k):
+        run = jitted if j == 0 else tx.update  # the first window inside jit, the second eager
+        updates, state = run(grads[j * k + i], state, p)
+        assert updates["w"].sharding.is_equivalent_to(sharded, 3)
+        p = optax.apply_updates(p, updates)
+      chex.assert_trees_all_close(p, expected[j], rtol=RTOL, atol=1e-15)
+    assert state.acc_grads["w"].sharding.is_equivalent_to(sharded, 3)
+    # Inside jit in Auto mode the sharding is not in the types: out_shardings says where the state goes.
+    init = jax.jit(tx.init, out_shardings=jax.tree.map(lambda x: x.sharding, state))
+    assert {s.data.nbytes for s in init(params).acc_grads["w"].addressable_shards} == {acc.nbytes // 8}
+
+
+# ----------------------------------------------------------------------------- Python scalars, bad input
+
+
+def test_python_scalar_params_and_grads():
+  """Issue 11 item 13: leaves optax accepts (Python floats) work in init and update."""
+  inner = optax.adam(0.1)
+  tx = ja.accumulate(inner, 2)
+  state = tx.init({"w": 1.0})
+  for g in (0.5, 1.5):
+    updates, state = tx.update({"w": g}, state, {"w": 1.0})
+  expected, _ = inner.update({"w": 1.0}, inner.init({"w": 1.0}), {"w": 1.0})
+  np.testing.assert_allclose(updates["w"], expected["w"], rtol=RTOL)
+  state = tx.init({"w": 1.0})
+  p, state = tx.update.apply_gradients(0.5, tx.init(1.0), 1.0)
+  assert float(p) == 1.0
+
+
+def test_construction_errors_name_the_argument():
+  with pytest.raises(TypeError, match=r"inner=optax.adam .*call it: inner=optax.adam\(1e-3\)"):
+    ja.accumulate(optax.adam, 4)
+  with pytest.raises(TypeError, match="inner=None"):
+    ja.accumulate(None, 4)
+  tx = ja.accumulate(optax.sgd(0.1), 2)
+  for bad in ("3", 1j, True, np.complex64(1)):
+    with pytest.raises(TypeError, match="weight="):
+      tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}), weight=bad)
+
+
+def test_a_state_of_another_optimizer_says_which_was_expected():
+  params = {"w": jnp.ones(2)}
+  tx = ja.accumulate(optax.adam(0.1), 2)
+  with pytest.raises(TypeError, match=r"AccumulateState.*ScaleByAdamState.*got tuple\(EmptyState, EmptyState\)"):
+    tx.update(params, optax.sgd(0.1).init(params))
+  with pytest.raises(TypeError, match="that is the state of `inner` itself"):
+    tx.update(params, optax.adam(0.1).init(params))
+  with pytest.raises(TypeError, match=r"inner_state does not match inner: .*ScaleByAdamState.*EmptyState, EmptyState"):
+    tx.update(params, ja.accumulate(optax.sgd(0.1), 2).init(params))
+  with pytest.raises(ValueError, match=r"grads has leaves \['v'\] that .* lacks; grads lacks the leaves \['w'\]"):
+    tx.update({"v": jnp.ones(2)}, tx.init(params))

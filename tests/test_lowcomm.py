@@ -342,3 +342,69 @@ def test_gradients_already_summed_by_shard_map_autodiff_raise():
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P()))
   with pytest.raises(ValueError, match="pcast"):
     f.lower(params, tx.init(params), shards)
+
+
+@pytest.mark.parametrize("make", [
+    lambda inner: ja.local_sgd(inner, 2, axis_name="d"),
+    lambda inner: ja.diloco(inner, optax.sgd(0.7), 2, axis_name="d"),
+    lambda inner: ja.diloco(optax.sgd(0.1), inner, 2, axis_name="d"),
+    lambda inner: ja.stale(inner, 2),
+])
+def test_an_optimizer_factory_or_none_is_refused_at_construction(make):
+  with pytest.raises(TypeError, match=r"(inner|outer)=optax.adam .*call it: (inner|outer)=optax.adam\(1e-3\)"):
+    make(optax.adam)
+  with pytest.raises(TypeError, match="(inner|outer)=None"):
+    make(None)
+
+
+def test_stale_takes_python_scalar_leaves():
+  """Issue 11 item 13: optax accepts {"w": 1.0}; so does stale, with the d-step delay."""
+  tx = ja.stale(optax.sgd(1.0), 2)
+  state = tx.init({"w": 1.0})
+  got = []
+  for g in (0.5, 1.5, 2.5, 3.5):
+    updates, state = tx.update({"w": g}, state, {"w": 1.0})
+    got.append(float(updates["w"]))
+  assert got == [0.0, 0.0, -0.5, -1.5]
+
+
+@pytest.mark.parametrize("make", [
+    lambda axis: ja.local_sgd(optax.sgd(0.1), 2, axis_name=axis),
+    lambda axis: ja.diloco(optax.sgd(0.1), optax.sgd(0.7, momentum=0.9), 2, axis_name=axis),
+])
+def test_model_sharded_parameters_under_explicit_mesh_axes(make):
+  """Zeros carry their leaf's sharding, so the cond's branches agree under Explicit mesh axes.
+
+  A 4 x 2 mesh of Explicit axes: replicas over `x` (shard_map), each replica's parameters
+  sharded over `m` (the auto axis inside). The result equals the same program under pmap.
+  """
+  replicas = 4
+  mesh = jax.make_mesh((replicas, 2), ("x", "m"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  params = {"w": jnp.linspace(-1, 1, 3 * 8).reshape(3, 8), "b": jnp.full((8,), 0.1)}
+  x, y = regression_data(jax.random.PRNGKey(1), 48, d_out=8)
+  shards = (x.reshape(replicas, 12, 3), y.reshape(replicas, 12, 8))
+  loss = lambda p, b: jnp.mean(jnp.sum((jnp.tanh(b[0] @ p["w"] + p["b"]) - b[1]) ** 2, -1))
+  stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (replicas,) + jnp.shape(a)), t)
+
+  def step_for(tx):
+    def step(params, state, batch):
+      updates, state = tx.update(jax.grad(loss)(params, batch), state, params)
+      return optax.apply_updates(params, updates), state
+    return step
+
+  tx = make("x")
+  squeeze = lambda t: jax.tree.map(lambda a: a[0], t)
+  body = lambda p, s, b: jax.tree.map(lambda a: a[None], step_for(tx)(squeeze(p), squeeze(s), squeeze(b)))
+  sm = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), axis_names={"x"}))
+  spec = lambda a: P("x", *[None] * (a.ndim - 2), "m") if a.ndim >= 2 and a.shape[-1] == 8 else P("x")
+  put = lambda t: jax.tree.map(lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec(a))), t)
+  p_sm, s_sm = put(stack(params)), put(jax.vmap(tx.init)(stack(params)))
+  with jax.set_mesh(mesh):
+    for _ in range(3):
+      p_sm, s_sm = sm(p_sm, s_sm, jax.device_put(shards, jax.sharding.NamedSharding(mesh, P("x"))))
+  assert p_sm["b"].sharding.spec == P("x", "m")
+  pm = jax.pmap(step_for(make("d")), axis_name="d", devices=jax.devices()[:replicas])
+  p_pm, s_pm = stack(params), jax.vmap(make("d").init)(stack(params))
+  for _ in range(3):
+    p_pm, s_pm = pm(p_pm, s_pm, shards)
+  _close(p_sm, p_pm)

@@ -135,3 +135,25 @@ def test_replicate_copies_so_donation_cannot_delete_the_callers_arrays():
   np.testing.assert_array_equal(params["w"], np.ones((3, 2)))  # still alive and unchanged
   with pytest.raises(TypeError, match="mesh"):
     ja.replicate(params, None)
+
+
+def test_data_mesh_rejects_non_devices_and_duplicates():
+  with pytest.raises(TypeError, match=r"devices\[0\]=0 must be a jax Device.*devices=\[0, 1\]"):
+    ja.data_mesh(devices=[0, 1])
+  d = jax.devices()
+  with pytest.raises(ValueError, match="twice"):
+    ja.data_mesh(devices=[d[0], d[1], d[0]])
+
+
+def test_cond_leaves_typed_prng_keys_alone_and_promotes_numbers():
+  """Keys have no promotion (optax.noisy_sgd's state holds one); numeric leaves are still joined."""
+  key = jax.random.key(3)
+
+  def advance(ops):
+    k, x = ops
+    return jax.random.split(k)[0], x.astype(jnp.float32) * 2
+
+  out_key, out_x = jax.jit(lambda p, ops: ja.parallel.cond(p, advance, lambda ops: ops, ops))(
+      True, (key, jnp.ones(2, jnp.bfloat16)))
+  assert jax.dtypes.issubdtype(out_key.dtype, jax.dtypes.prng_key) and out_x.dtype == jnp.float32
+  np.testing.assert_array_equal(jax.random.key_data(out_key), jax.random.key_data(jax.random.split(key)[0]))
