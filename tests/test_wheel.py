@@ -65,10 +65,6 @@ def test_wheel_installs_in_a_fresh_venv_and_imports(tmp_path):
     text=True,
     check=True,
   ).stdout.strip()
-  # This interpreter's packages (jax, optax, ...) after the venv's own: a plain path, so that
-  # no .pth of this environment (an editable jaxaccum) is processed.
-  outer = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-  pathlib.Path(purelib, "_outer_site.pth").write_text("\n".join(sorted(outer)) + "\n")
   proc = subprocess.run(
     [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
     capture_output=True,
@@ -76,6 +72,12 @@ def test_wheel_installs_in_a_fresh_venv_and_imports(tmp_path):
     timeout=300,
   )
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert "Successfully installed jaxaccum" in proc.stdout, proc.stdout[-2000:]
+  # Then this interpreter's packages (jax, optax, ...), after the venv's own (added only now:
+  # pip would take a jaxaccum of this environment for the wheel, already installed). A plain
+  # path, so no .pth of this environment (an editable jaxaccum's finder) is processed.
+  outer = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+  pathlib.Path(purelib, "_outer_site.pth").write_text("\n".join(sorted(outer)) + "\n")
 
   check = (
     "import importlib.resources, pathlib, jaxaccum as ja\n"
