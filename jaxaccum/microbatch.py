@@ -20,22 +20,31 @@ microbatch evenly sharded: no all-to-all, no collective-permute.
 from __future__ import annotations
 
 import functools
+import inspect
 import numbers
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxaccum import _tree
 from jaxaccum import parallel
 
 
+def _check_int_arg(value, name: str) -> int:
+  """An int (not a bool: `key_argnum=True` is a bug, not argument 1)."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name}={value!r} must be an int, got {type(value).__name__}")
+  return int(value)
+
+
 def _normalize_argnums(batch_argnums) -> tuple[int, ...]:
-  if isinstance(batch_argnums, numbers.Integral) and not isinstance(batch_argnums, bool):
+  if isinstance(batch_argnums, numbers.Integral) and not isinstance(batch_argnums, (bool, np.bool_)):
     return (int(batch_argnums),)
   if isinstance(batch_argnums, (tuple, list)) and batch_argnums and all(
-      isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in batch_argnums):
+      isinstance(a, numbers.Integral) and not isinstance(a, (bool, np.bool_)) for a in batch_argnums):
     return tuple(int(a) for a in batch_argnums)
   raise TypeError(f"{batch_argnums=} must be an int or a non-empty tuple of ints")
 
@@ -51,17 +60,45 @@ def _resolve(argnums: tuple[int, ...], nargs: int, name: str, value) -> tuple[in
   return tuple(out)
 
 
-def _leading_size(batches) -> int:
-  sizes = set()
+def leading_size(batches, name: str = "batch") -> int:
+  """The leading (batch) size shared by every leaf of `batches`, or a ValueError naming the leaves.
+
+  Sizes are those of the arrays as given (global shapes, before any shard_map
+  splits them), so the message names the user's numbers.
+  """
+  first: dict[int, str] = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(batches):
+    where = f"{name}{jax.tree_util.keystr(path)}"
     if jnp.ndim(leaf) == 0:
-      raise ValueError(f"batch leaf {jax.tree_util.keystr(path)} is a scalar; every batch leaf needs a leading batch axis")
-    sizes.add(jnp.shape(leaf)[0])
-  if not sizes:
-    raise ValueError("the batch arguments hold no arrays")
-  if len(sizes) > 1:
-    raise ValueError(f"batch leaves disagree on their leading (batch) size: {sorted(sizes)}")
-  return sizes.pop()
+      raise ValueError(f"{where} is a scalar; every batch leaf needs a leading batch axis")
+    first.setdefault(jnp.shape(leaf)[0], where)
+  if not first:
+    raise ValueError(f"the {name} holds no arrays")
+  if len(first) > 1:
+    listed = ", ".join(f"{where} has {size} rows" for size, where in sorted(first.items(), reverse=True))
+    raise ValueError(f"{name} leaves disagree on their leading (batch) size: {listed}")
+  (size,) = first
+  if size == 0:
+    raise ValueError(f"the {name} is empty ({first[0]} has 0 rows): there is nothing to average")
+  return size
+
+
+def check_binds(fun, name: str, args, kwargs, hint: str) -> None:
+  """Raises a TypeError, with `hint`, when `fun`'s signature cannot take `args`/`kwargs`.
+
+  Called before tracing, so that a closure over the batch (`def loss(params)`)
+  is reported as such rather than as a TypeError deep inside the trace. Callables
+  without an inspectable signature are let through.
+  """
+  try:
+    sig = inspect.signature(fun)
+  except (TypeError, ValueError):
+    return
+  try:
+    sig.bind(*args, **kwargs)
+  except TypeError as e:
+    raise TypeError(f"{name}{sig} cannot be called with {len(args)} positional argument(s)"
+                    f"{' and keywords ' + str(sorted(kwargs)) if kwargs else ''} ({e}). {hint}") from None
 
 
 def microbatch(
@@ -73,6 +110,7 @@ def microbatch(
     key_argnum: int | None = None,
     axis_name: Any = None,
     accumulator_dtype: Any = None,
+    return_total_weight: bool = False,
 ) -> Callable[..., Any]:
   r"""Runs `fun` over `num_microbatches` slices of the batch in a `lax.scan`; returns the weighted mean.
 
@@ -87,23 +125,31 @@ def microbatch(
   masked-mean loss and `weight_fn = lambda b: b["mask"].sum()` give the
   full-batch masked mean, whatever the number of real rows per microbatch.
   Peak memory is one microbatch's activations plus one output-sized accumulator.
+  Keyword arguments of the wrapped call are passed to `fun` unchanged (not split).
+
+  Weights. A microbatch of weight 0 (all padding) adds exactly nothing, even if
+  its outputs are NaN (0/0). When the total weight sum_i w_i is 0 (every row is
+  padding) there is nothing to average: called eagerly that is a ValueError;
+  under a trace (jit, the normal case) every output is 0 rather than NaN, and
+  `return_total_weight=True` lets the caller see it (`make_train_step` then
+  skips the optimizer update). A negative or non-finite weight is an error
+  when concrete; traced, it makes the total weight and the outputs NaN.
 
   Flax BatchNorm statistics returned as aux are averaged like everything else;
   see `make_train_step` for what that means next to full-batch statistics.
 
   Args:
-    fun: the function to wrap; its outputs must be floating arrays (any
-      pytree): each is averaged, so an integer output is a TypeError rather
-      than a truncated mean.
+    fun: the function to wrap; its outputs must be floating arrays or Python
+      floats (any pytree): each is averaged, so an integer output is a
+      TypeError rather than a truncated mean.
     num_microbatches: K, an int >= 1 dividing the leading size of every batch
       leaf. K = 1 calls `fun` once, with no loop.
     batch_argnums: the positional argument(s) holding the batch (pytrees whose
-      leaves share a leading batch size).
+      leaves share a leading batch size). With K > 1 the outputs must depend
+      on them: a `fun` that closes over its batch is a ValueError.
     weight_fn: `weight_fn(microbatch) -> scalar` w_i, where `microbatch` is the
       slice of the batch argument (a tuple of slices when `batch_argnums` is a
-      tuple). Default: every microbatch weighs 1. A microbatch of weight 0
-      (all padding) adds exactly nothing, even if its outputs are NaN; the
-      weights must not all be 0.
+      tuple). Default: every microbatch weighs 1.
     key_argnum: a positional PRNG-key argument; microbatch i receives
       `jax.random.fold_in(key, i)` (also when K = 1).
     axis_name: inside `jax.shard_map`/`jax.pmap`, the data axis: after the loop
@@ -111,21 +157,39 @@ def microbatch(
       all microbatches of all devices. Under shard_map, gradients must vary
       over the axis (take them w.r.t. `lax.pcast(params, axis_name,
       to="varying")`); gradients already summed by autodiff raise a ValueError.
-    accumulator_dtype: dtype of the running sums; default the wider of float32
-      and each output's dtype.
+    accumulator_dtype: a floating dtype for the running sums; default the
+      wider of float32 and each output's dtype.
+    return_total_weight: return `(outputs, total_weight)`, the total weight
+      sum_i w_i (over all devices with `axis_name`) as a scalar in the
+      accumulation dtype: 0 when nothing was averaged.
 
   Returns:
-    A function with `fun`'s signature and output structure.
+    A function with `fun`'s signature and output structure (a pair with the
+    total weight when `return_total_weight`).
   """
+  if not callable(fun):
+    raise TypeError(f"fun={fun!r} must be callable, e.g. jax.value_and_grad(loss_fn)")
   k = _tree.check_positive_int(num_microbatches, "num_microbatches")
   argnums = _normalize_argnums(batch_argnums)
-  if key_argnum is not None and (isinstance(key_argnum, bool) or not isinstance(key_argnum, numbers.Integral)):
-    raise TypeError(f"{key_argnum=} must be an int or None")
+  if key_argnum is not None:
+    _check_int_arg(key_argnum, "key_argnum")
+  if weight_fn is not None and not callable(weight_fn):
+    raise TypeError(f"weight_fn={weight_fn!r} must be callable (microbatch -> scalar weight) or None")
   if axis_name is not None:
     parallel.validate_axis_name(axis_name)
+  if accumulator_dtype is not None:
+    try:
+      acc_dtype = jnp.dtype(accumulator_dtype)
+    except TypeError:
+      raise TypeError(f"{accumulator_dtype=} is not a dtype") from None
+    if not jnp.issubdtype(acc_dtype, jnp.floating):
+      # An integer running sum would truncate every term: 1.72 comes back as 1.5.
+      raise ValueError(f"{accumulator_dtype=} must be a floating dtype (e.g. jnp.float32)")
+  if not isinstance(return_total_weight, bool):
+    raise TypeError(f"{return_total_weight=} must be a bool")
 
   @functools.wraps(fun)
-  def wrapped(*args):
+  def wrapped(*args, **kwargs):
     nargs = len(args)
     idx = _resolve(argnums, nargs, "batch_argnums", batch_argnums)
     kidx = None
@@ -133,36 +197,51 @@ def microbatch(
       (kidx,) = _resolve((key_argnum,), nargs, "key_argnum", key_argnum)
       if kidx in idx:
         raise ValueError(f"{key_argnum=} is also one of {batch_argnums=}")
+    check_binds(fun, "fun", args, kwargs,
+                "microbatch calls fun with the wrapped call's arguments, the batch argument(s) "
+                f"{batch_argnums=} split into microbatches; a function that closes over its batch "
+                "(def loss(params): ... batch ...) must take it as an argument: def loss(params, batch).")
     if axis_name is not None:
       parallel.check_axis_name(axis_name)
     batches = tuple(args[i] for i in idx)
-    size = _leading_size(batches)
+    size = leading_size(batches if len(batches) > 1 else batches[0])
     if size % k:
       raise ValueError(
           f"the batch's leading size {size} is not divisible by num_microbatches={k}")
 
     def call(mb_batches, i):
       call_args = list(args)
-      for j, b in zip(idx, mb_batches):
+      for j, b in zip(idx, mb_batches, strict=True):
         call_args[j] = b
       if kidx is not None:
         call_args[kidx] = jax.random.fold_in(args[kidx], i)
-      out = fun(*call_args)
+      # Python scalars (a float returned as a metric) become arrays, as jit would make them.
+      out = jax.tree.map(jnp.asarray, fun(*call_args, **kwargs))
       if weight_fn is None:
         w = jnp.ones((), jnp.float32)
       else:
         w = jnp.asarray(weight_fn(mb_batches[0] if len(mb_batches) == 1 else mb_batches))
         if w.shape != ():
           raise ValueError(f"weight_fn must return a scalar, got shape {w.shape}")
+        if not (jnp.issubdtype(w.dtype, jnp.floating) or jnp.issubdtype(w.dtype, jnp.integer)
+                or w.dtype == jnp.bool_):
+          raise TypeError(f"weight_fn must return a real number, got dtype {w.dtype}")
       return out, w
 
     if k == 1:
       out, w = call(batches, 0)
       _check_float_outputs(out)
+      wdtype = _wdtype(out, accumulator_dtype)
+      w = w.astype(wdtype)
       if axis_name is None:
-        return out  # the weighted mean of one microbatch is the microbatch
+        # The weighted mean of one microbatch is the microbatch (exactly: no w*o/w rounding).
+        total = _checked_total(w, _weight_ok(w))
+        out = jax.tree.map(lambda o: jnp.where(total == 0, jnp.zeros((), o.dtype),
+                                               jnp.where(jnp.isnan(total), jnp.full((), jnp.nan, o.dtype), o)), out)
+        return (out, total) if return_total_weight else out
       acc = jax.tree.map(lambda o: _weighted(o, w, _tree.accumulator_dtype(o.dtype, accumulator_dtype)), out)
-      return _finish(acc, w.astype(_wdtype(out, accumulator_dtype)), out, axis_name)
+      out, total = _finish(acc, w, _weight_ok(w), out, axis_name)
+      return (out, total) if return_total_weight else out
 
     # (B, ...) -> (B/K, K, ...): row r = j*K + i lands at [j, i], so index i on
     # axis 1 is microbatch i. Contiguous reshape: no copy, shards stay put.
@@ -171,7 +250,12 @@ def microbatch(
     def take(i):
       return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), views)
 
-    out_shape, w_shape = jax.eval_shape(lambda: call(take(0), 0))
+    # One trace of the body for the shapes (as eval_shape would) that also shows
+    # whether the outputs depend on the batch at all.
+    first = take(0)
+    closed, (out_shape, w_shape) = jax.make_jaxpr(lambda mb: call(mb, 0), return_shape=True)(first)
+    _check_depends_on_batch(closed.jaxpr, len(jax.tree.leaves(first)), len(jax.tree.leaves(out_shape)),
+                            batch_argnums)
     _check_float_outputs(out_shape)
     wdtype = _wdtype(out_shape, accumulator_dtype)
 
@@ -183,17 +267,44 @@ def microbatch(
 
     acc0 = jax.tree.map(lambda s: zeros(s, _tree.accumulator_dtype(s.dtype, accumulator_dtype)), out_shape)
     wsum0 = zeros(w_shape, wdtype)
+    ok0 = zeros(jax.ShapeDtypeStruct((), jnp.bool_, **_vma_kwargs(w_shape)), jnp.bool_) | True
 
     def body(carry, i):
-      acc, wsum = carry
+      acc, wsum, ok = carry
       out, w = call(take(i), i)
+      w = w.astype(wsum.dtype)
       acc = jax.tree.map(lambda a, o: a + _weighted(o, w, a.dtype), acc, out)
-      return (acc, wsum + w.astype(wsum.dtype)), None
+      return (acc, wsum + w, ok & _weight_ok(w)), None
 
-    (acc, wsum), _ = lax.scan(body, (acc0, wsum0), jnp.arange(k))
-    return _finish(acc, wsum, out_shape, axis_name)
+    (acc, wsum, ok), _ = lax.scan(body, (acc0, wsum0, ok0), jnp.arange(k))
+    out, total = _finish(acc, wsum, ok, out_shape, axis_name)
+    return (out, total) if return_total_weight else out
 
   return wrapped
+
+
+def _vma_kwargs(s) -> dict:
+  """ShapeDtypeStruct keywords that keep `s`'s varying axes (none outside shard_map)."""
+  mat = getattr(s, "manual_axis_type", None)
+  return {} if mat is None else {"manual_axis_type": mat}
+
+
+def _check_depends_on_batch(jaxpr, n_batch: int, n_out: int, batch_argnums) -> None:
+  """Raises when none of `fun`'s outputs depends on the batch (the first `n_batch` inputs).
+
+  A backward pass over the top-level equations (an equation with a sub-jaxpr
+  counts as using all its inputs), so it can only err towards "depends".
+  """
+  needed = {v for v in jaxpr.outvars[:n_out] if not isinstance(v, jax.extend.core.Literal)}
+  for eqn in reversed(jaxpr.eqns):
+    if any(v in needed for v in eqn.outvars):
+      needed.update(v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal))
+  if n_batch and n_out and not any(v in needed for v in jaxpr.invars[:n_batch]):
+    raise ValueError(
+        f"fun's outputs do not depend on its batch argument(s) ({batch_argnums=}), so every "
+        "microbatch would compute the same thing. If fun closes over the batch (def loss(params): "
+        "... batch ...), take the batch as an argument instead: def loss(params, batch), and pass "
+        "it in the call; microbatch splits that argument.")
 
 
 def _check_float_outputs(outs) -> None:
@@ -203,6 +314,11 @@ def _check_float_outputs(outs) -> None:
       raise TypeError(
           f"fun's output{jax.tree_util.keystr(path)} has dtype {leaf.dtype}: microbatch returns the "
           "weighted mean of every output, so return it as a float (e.g. count.astype(jnp.float32))")
+
+
+def _weight_ok(w) -> jax.Array:
+  """A weight must be finite and >= 0 (0 meaning: this microbatch is all padding)."""
+  return jnp.isfinite(w) & (w >= 0)
 
 
 def _weighted(out, w, dtype):
@@ -215,12 +331,37 @@ def _wdtype(outs, override) -> jnp.dtype:
   return _tree.widest(_tree.accumulator_dtype(o.dtype, override) for o in jax.tree.leaves(outs))
 
 
-def _finish(acc, wsum, like, axis_name):
-  """(sum w o, sum w) -> sum w o / sum w, all-reduced first when `axis_name` is given."""
+def _checked_total(wsum, ok):
+  """The total weight, NaN when some weight was invalid; a ValueError when concrete and unusable."""
+  total = jnp.where(ok, wsum, jnp.full((), jnp.nan, wsum.dtype))
+  if _tree.is_concrete(total):
+    if not bool(ok):
+      raise ValueError("weight_fn returned a negative or non-finite weight for a microbatch: weights "
+                       "must be finite and >= 0 (e.g. the number of real rows or tokens)")
+    if float(total) == 0:
+      raise ValueError("every microbatch has weight 0 (weight_fn gave 0 for all of them: the batch is all "
+                       "padding?), so there is nothing to average")
+  return total
+
+
+def _finish(acc, wsum, ok, like, axis_name):
+  """(sum w o, sum w) -> (sum w o / sum w, total weight), all-reduced first when `axis_name` is given.
+
+  A total weight of 0 gives outputs of 0 (not 0/0); an invalid weight gives NaN.
+  """
   if axis_name is not None:
     parallel.check_varying(acc, axis_name, arg="outputs")
     # One psum over operands of mixed varying-ness lowers to several
     # all-reduces (invariant ones apart); cast all to varying to get one.
-    acc, wsum = parallel.to_varying((acc, wsum), axis_name)
-    acc, wsum = parallel.all_reduce_sum((acc, wsum), axis_name)
-  return jax.tree.map(lambda a, o: (a / wsum.astype(a.dtype)).astype(o.dtype), acc, like)
+    # The validity flag travels as a count of bad microbatches in the same psum.
+    bad = (~ok).astype(wsum.dtype)
+    acc, wsum, bad = parallel.to_varying((acc, wsum, bad), axis_name)
+    acc, wsum, bad = parallel.all_reduce_sum((acc, wsum, bad), axis_name)
+    ok = bad == 0
+  total = _checked_total(wsum, ok)
+  safe = jnp.where(total == 0, jnp.ones((), total.dtype), total)
+
+  def mean(a, o):
+    return jnp.where(total == 0, jnp.zeros((), a.dtype), a / safe.astype(a.dtype)).astype(o.dtype)
+
+  return jax.tree.map(mean, acc, like), total

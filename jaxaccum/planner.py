@@ -12,6 +12,7 @@ is needed to find K. Microbatching trades K sequential steps for activations
 
 from __future__ import annotations
 
+import collections.abc
 import numbers
 from typing import Any, Callable, Sequence
 
@@ -79,7 +80,7 @@ def plan_microbatches(
     *example_args: Any,
     memory_budget_bytes: int,
     candidates: Sequence[int] | None = None,
-    batch_argnum: int = 2,
+    batch_argnum: int | None = None,
 ) -> MicrobatchPlan:
   """Compiles the step for candidate K and returns the smallest K whose footprint fits the budget.
 
@@ -101,9 +102,10 @@ def plan_microbatches(
       call will have, e.g. through `ja.shard_batch`, or `make_train_step` with
       a mesh refuses the K that do not divide a device's rows). Tried in
       ascending order; compiling stops at the first that fits.
-    batch_argnum: which example argument is the batch (default 2, the
-      `make_train_step` convention `step(params, opt_state, batch[, key])`);
-      only used to derive the default candidates.
+    batch_argnum: which example argument is the batch; only used to derive
+      the default candidates. Default: the step's own `batch_argnum` (steps
+      from `make_train_step` carry it: 2 for `step(params, opt_state, batch)`,
+      3 with `has_state`), else 2.
 
   Returns:
     A `MicrobatchPlan`: an int K, with `.totals` ({K: bytes} of every
@@ -118,6 +120,14 @@ def plan_microbatches(
     raise ValueError(f"{memory_budget_bytes=} must be a positive number of bytes")
   if not callable(step_fn):
     raise TypeError(f"step_fn={step_fn!r} must be callable: K -> the jitted step for K microbatches")
+  steps: dict[int, Any] = {}
+  if batch_argnum is None and candidates is None:
+    # Steps from make_train_step say where their batch is (3 with has_state); K = 1 is
+    # always a default candidate, so building its step first costs nothing extra.
+    steps[1] = step_fn(1)
+    batch_argnum = getattr(steps[1], "batch_argnum", 2)
+  if batch_argnum is not None and (isinstance(batch_argnum, bool) or not isinstance(batch_argnum, numbers.Integral)):
+    raise TypeError(f"{batch_argnum=} must be an int (which example argument is the batch)")
   if candidates is None:
     if not -len(example_args) <= batch_argnum < len(example_args):
       raise ValueError(f"{batch_argnum=} is out of range for {len(example_args)} example arguments")
@@ -125,15 +135,19 @@ def plan_microbatches(
     rows = [r for r in rows if r is not None]
     if not rows:
       raise ValueError(f"example_args[{batch_argnum}] holds no array with a batch axis")
+    if rows[0] == 0:
+      raise ValueError(f"example_args[{batch_argnum}] is an empty batch (0 rows): no K can be planned for it")
     candidates = _divisors(rows[0])
   else:
+    if isinstance(candidates, (str, bytes)) or not isinstance(candidates, collections.abc.Iterable):
+      raise TypeError(f"{candidates=} must be a sequence of ints (e.g. [1, 2, 4, 8]) or None")
     candidates = sorted({_tree.check_positive_int(k, "candidates") for k in candidates})
     if not candidates:
       raise ValueError(f"{candidates=} must name at least one K")
 
   totals: dict[int, int] = {}
   for k in candidates:
-    step = step_fn(k)
+    step = steps[k] if k in steps else step_fn(k)
     if not hasattr(step, "lower"):
       step = jax.jit(step)
     totals[k] = compiled_memory_bytes(step.lower(*example_args).compile())

@@ -188,3 +188,115 @@ def test_bad_input(problem):
   for k in (1, 4):
     with pytest.raises(TypeError, match=r"output\[1\] has dtype int"):
       ja.microbatch(counting, k)(params, data)
+
+
+# --------------------------------------------------------------------------- issue 11
+
+
+def test_empty_batch_and_zero_weights(problem):
+  """An empty batch is an error; all-zero weights: an error eagerly, outputs 0 (not NaN) and total 0 traced."""
+  params, _, (x, y) = problem
+  vg = jax.value_and_grad(masked_loss)
+  with pytest.raises(ValueError, match=r"empty.*0 rows"):
+    ja.microbatch(vg, 1)(params, {"x": x[:0], "y": y[:0], "mask": jnp.zeros(0)})
+  batch = {"x": x, "y": y, "mask": jnp.zeros(x.shape[0])}  # all padding: each microbatch's loss is 0/0
+  wfn = lambda b: jnp.sum(b["mask"])
+  for k in (1, 4):
+    with pytest.raises(ValueError, match="every microbatch has weight 0"):
+      ja.microbatch(vg, k, weight_fn=wfn)(params, batch)
+    (loss, grads), total = jax.jit(ja.microbatch(vg, k, weight_fn=wfn, return_total_weight=True))(params, batch)
+    assert float(total) == 0.0
+    assert float(loss) == 0.0
+    assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads))
+  # A negative weight: an error eagerly, NaN total weight traced.
+  neg = lambda b: jnp.sum(b["mask"]) - 100.0
+  ones = dict(batch, mask=jnp.ones(x.shape[0]))
+  with pytest.raises(ValueError, match="negative or non-finite weight"):
+    ja.microbatch(vg, 4, weight_fn=neg)(params, ones)
+  _, total = jax.jit(ja.microbatch(vg, 4, weight_fn=neg, return_total_weight=True))(params, ones)
+  assert np.isnan(total)
+  # The total weight, when there is one: the real rows.
+  _, total = jax.jit(ja.microbatch(vg, 4, weight_fn=wfn, return_total_weight=True))(params, ones)
+  assert float(total) == x.shape[0]
+
+
+def test_total_weight_over_devices(problem):
+  """With axis_name the total weight is global, and a zero-weight device adds nothing."""
+  params, _, (x, y) = problem
+  mask = np.ones(x.shape[0])
+  mask[:15] = 0.0  # device 0's rows are all padding
+  batch = {"x": x, "y": y, "mask": jnp.asarray(mask)}
+  real = mask == 1
+  expected = jax.value_and_grad(mse_loss)(params, (x[real], y[real]))
+
+  def local(params, batch):
+    params = lax.pcast(params, "data", to="varying")
+    return ja.microbatch(jax.value_and_grad(masked_loss), 3, weight_fn=lambda b: jnp.sum(b["mask"]),
+                         axis_name="data", return_total_weight=True)(params, batch)
+
+  fun = jax.jit(jax.shard_map(local, mesh=ja.data_mesh(), in_specs=(P(), P("data")), out_specs=P()))
+  out, total = fun(params, batch)
+  chex.assert_trees_all_close(out, expected, rtol=RTOL, atol=0)
+  assert float(total) == real.sum()
+
+
+def test_integer_accumulator_dtype_refused():
+  """An integer running sum truncates (1.72 -> 1.5): refused at construction, as accumulate does."""
+  for dt in (jnp.int32, jnp.int8, jnp.bool_, "int32"):
+    with pytest.raises(ValueError, match="accumulator_dtype="):
+      ja.microbatch(lambda p, b: jnp.mean(b), 2, accumulator_dtype=dt)
+  with pytest.raises(TypeError, match="accumulator_dtype='nope'"):
+    ja.microbatch(lambda p, b: jnp.mean(b), 2, accumulator_dtype="nope")
+
+
+def test_keyword_arguments_pass_through_unsplit(problem):
+  params, _, (x, y) = problem
+
+  def loss(p, batch, *, scale, offset=0.0):
+    return scale * mse_loss(p, batch) + offset
+
+  fun = ja.microbatch(jax.value_and_grad(loss), 4)
+  out = fun(params, (x, y), scale=3.0, offset=jnp.ones(()))  # offset is an array: not split either
+  expected = jax.value_and_grad(loss)(params, (x, y), scale=3.0, offset=1.0)
+  chex.assert_trees_all_close(out, expected, rtol=RTOL, atol=0)
+  with pytest.raises(TypeError, match=r"fun\(p, batch, \*, scale, offset=0.0\) cannot be called.*'nope'"):
+    fun(params, (x, y), scale=1.0, nope=2)
+
+
+def test_python_float_output(problem):
+  params, _, (x, y) = problem
+  for k in (1, 4):
+    out = ja.microbatch(lambda p, b: (mse_loss(p, b), 0.5), k)(params, (x, y))
+    np.testing.assert_allclose(out[1], 0.5, rtol=RTOL)
+    np.testing.assert_allclose(out[0], mse_loss(params, (x, y)), rtol=RTOL)
+
+
+def test_construction_errors_name_the_value(problem):
+  params, _, (x, y) = problem
+  with pytest.raises(TypeError, match="fun=None must be callable"):
+    ja.microbatch(None, 4)
+  with pytest.raises(TypeError, match="weight_fn=3"):
+    ja.microbatch(mse_loss, 4, weight_fn=3)
+  with pytest.raises(TypeError, match="key_argnum=True"):
+    ja.microbatch(mse_loss, 4, key_argnum=True)
+  with pytest.raises(TypeError, match="batch_argnums=True"):
+    ja.microbatch(mse_loss, 4, batch_argnums=True)
+  with pytest.raises(TypeError, match="batch_argnums="):
+    ja.microbatch(mse_loss, 4, batch_argnums=(1, np.bool_(True)))
+  with pytest.raises(TypeError, match="return_total_weight=1"):
+    ja.microbatch(mse_loss, 4, return_total_weight=1)
+  # Leaf sizes are named as given, with the leaves.
+  with pytest.raises(ValueError, match=r"batch\[0\] has 120 rows, batch\[1\] has 60 rows"):
+    ja.microbatch(mse_loss, 2)(params, (x, y[:60]))
+
+
+def test_closure_over_the_batch_is_named(problem):
+  """Flax examples write `def loss(params): ... batch ...`: the error says to take the batch as an argument."""
+  params, _, (x, y) = problem
+  closed = lambda p: mse_loss(p, (x, y))
+  with pytest.raises(TypeError, match=r"def loss\(params, batch\)"):
+    ja.microbatch(jax.value_and_grad(closed), 4)(params, (x, y))
+  # Taking a batch argument but ignoring it: every microbatch would see the whole batch.
+  ignoring = lambda p, batch: mse_loss(p, (x, y))
+  with pytest.raises(ValueError, match=r"do not depend on its batch.*def loss\(params, batch\)"):
+    ja.microbatch(jax.value_and_grad(ignoring), 4)(params, (x, y))

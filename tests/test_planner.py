@@ -59,3 +59,16 @@ def test_default_candidates_divide_each_devices_rows_on_a_mesh():
   factory = lambda k: ja.make_train_step(mse_loss, opt, num_microbatches=k, mesh=mesh)
   with pytest.raises(ValueError, match=r"no num_microbatches in \[1, 2, 4, 8\] fits"):
     ja.plan_microbatches(factory, *args, memory_budget_bytes=1)
+
+
+def test_bad_input_names_the_value():
+  factory, (params, state, data) = setup()
+  empty = jax.tree.map(lambda x: x[:0], data)
+  with pytest.raises(ValueError, match=r"example_args\[2\] is an empty batch \(0 rows\)"):
+    ja.plan_microbatches(factory, params, state, empty, memory_budget_bytes=1)
+  with pytest.raises(TypeError, match="candidates=4 must be a sequence"):
+    ja.plan_microbatches(factory, params, state, data, memory_budget_bytes=1, candidates=4)
+  with pytest.raises(TypeError, match="candidates=True"):
+    ja.plan_microbatches(factory, params, state, data, memory_budget_bytes=1, candidates=[True])
+  with pytest.raises(TypeError, match="batch_argnum=True"):
+    ja.plan_microbatches(factory, params, state, data, memory_budget_bytes=1, batch_argnum=True)

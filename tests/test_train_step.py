@@ -248,3 +248,113 @@ def test_batchnorm_stats_through_train_step():
   np.testing.assert_allclose(stats["mean"], 0.9 * np.asarray(old["mean"]) + 0.1 * full_mean, rtol=1e-12)
   np.testing.assert_allclose(stats["var"], 0.9 * np.asarray(old["var"]) + 0.1 * (full_var - var_of_means),
                              rtol=1e-12)
+
+
+# --------------------------------------------------------------------------- issue 11
+
+
+def masked_mse(params, batch):
+  err = jnp.sum((mlp_apply(params, batch["x"]) - batch["y"]) ** 2, axis=-1)
+  return jnp.sum(batch["mask"] * err) / jnp.sum(batch["mask"])
+
+
+@pytest.mark.parametrize("devices", [None, 8])
+def test_all_padding_step_applies_nothing(problem, devices):
+  """Total weight 0 under jit: params and adam state bit-identical, metrics say so; real steps say applied."""
+  params, _, (x, y) = problem
+  opt = optax.adam(1e-2)
+  mesh = None if devices is None else ja.data_mesh()
+  step = ja.make_train_step(masked_mse, opt, num_microbatches=3, mesh=mesh,
+                            weight_fn=lambda b: jnp.sum(b["mask"]), donate=False)
+  put = (lambda t: t) if mesh is None else (lambda t: ja.replicate(t, mesh))
+  shard = (lambda t: t) if mesh is None else (lambda t: ja.shard_batch(t, mesh))
+  real = {"x": x, "y": y, "mask": np.ones(x.shape[0])}
+  p, s, metrics = step(put(params), put(opt.init(params)), shard(real))  # a real step: a non-trivial adam state
+  assert bool(metrics["applied"]) and float(metrics["total_weight"]) == x.shape[0]
+  padding = dict(real, mask=np.zeros(x.shape[0]))
+  p2, s2, metrics = step(p, s, shard(padding))
+  assert not bool(metrics["applied"]) and float(metrics["total_weight"]) == 0.0
+  assert float(metrics["loss"]) == 0.0  # not NaN
+  for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p2, s2)), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match=r"empty.*0 rows"):
+    step(p, s, {"x": x[:0], "y": y[:0], "mask": np.zeros(0)})
+
+
+def test_default_total_weight_counts_microbatches(problem):
+  params, loss_fn, data = problem
+  opt = optax.sgd(0.1)
+  mesh = ja.data_mesh()
+  step = ja.make_train_step(loss_fn, opt, num_microbatches=3, mesh=mesh, donate=False)
+  _, _, metrics = step(ja.replicate(params, mesh), ja.replicate(opt.init(params), mesh), ja.shard_batch(data, mesh))
+  assert float(metrics["total_weight"]) == 24 and bool(metrics["applied"])
+
+
+def test_reusing_donated_params_is_an_error(problem):
+  """The old params after a donating call: a ValueError naming them (jax 0.10 segfaults on a mesh)."""
+  params, loss_fn, data = problem
+  opt = optax.sgd(0.1)
+  step = ja.make_train_step(loss_fn, opt, num_microbatches=2)
+  p, s = fresh(params), fresh(opt.init(params))
+  p = jax.tree.map(jnp.asarray, p)
+  new_p, new_s, _ = step(p, s, data)
+  with pytest.raises(ValueError, match=r"params\[0\]\['b'\] was deleted.*params, opt_state, metrics = step\("):
+    step(p, new_s, data)
+  step(new_p, new_s, data)  # the rebound outputs work
+  assert step.lower(params, opt.init(params), data).compile() is not None  # .lower still works
+
+
+_DONATED_ON_MESH = r"""
+import os, sys
+sys.path.insert(0, {tests!r})
+import conftest  # 8 devices, float64
+import jax, optax, numpy as np
+import jaxaccum as ja
+params, loss_fn, data = conftest.mlp_init(jax.random.PRNGKey(0), (3, 8, 2)), conftest.mse_loss, \
+    conftest.regression_data(jax.random.PRNGKey(1), 64)
+mesh = ja.data_mesh()
+opt = optax.adam(1e-2)
+step = ja.make_train_step(loss_fn, opt, num_microbatches=2, mesh=mesh)
+p = ja.replicate(jax.tree.map(np.array, params), mesh)
+s = ja.replicate(jax.tree.map(np.array, opt.init(params)), mesh)
+batch = ja.shard_batch(data, mesh)
+p2, s2, _ = step(p, s, batch)
+try:
+  step(p, s2, batch)
+except ValueError as e:
+  print("ERROR:", e)
+p3, s3, m = step(p2, s2, batch)
+print("OK", float(m["loss"]))
+"""
+
+
+def test_reusing_donated_params_on_a_mesh_is_an_error_not_a_segfault(tmp_path):
+  import os
+  import subprocess
+  import sys
+  script = tmp_path / "donated.py"
+  script.write_text(_DONATED_ON_MESH.format(tests=os.path.dirname(__file__)))
+  run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert "ERROR: params[0]['b'] was deleted" in run.stdout, run.stdout
+  assert "OK" in run.stdout
+
+
+def test_errors_name_the_users_values(problem):
+  params, loss_fn, (x, y) = problem
+  opt = optax.sgd(0.1)
+  mesh = ja.data_mesh()
+  step = ja.make_train_step(loss_fn, opt, mesh=mesh, donate=False)
+  # 32 and 16 rows (both divisible by the 8 devices): named as such, not per device as [2, 4].
+  with pytest.raises(ValueError, match=r"batch\[0\] has 32 rows, batch\[1\] has 16 rows"):
+    step(ja.replicate(params, mesh), ja.replicate(opt.init(params), mesh), (x[:32], y[:16]))
+  with pytest.raises(TypeError, match="num_microbatches=True"):
+    ja.make_train_step(loss_fn, opt, num_microbatches=True)
+  with pytest.raises(TypeError, match="loss_fn=None"):
+    ja.make_train_step(None, opt)
+  # The Flax-example loss closes over its batch: say what to change, at construction.
+  with pytest.raises(TypeError, match=r"loss_fn must take the batch as its second argument: loss_fn\(params, batch\)"):
+    ja.make_train_step(lambda params: loss_fn(params, (x, y)), opt)
+  # A loss without a key argument, called with a key.
+  with pytest.raises(TypeError, match=r"loss_fn\(params, batch, key\)"):
+    ja.make_train_step(loss_fn, opt, donate=False)(params, opt.init(params), (x, y), jax.random.PRNGKey(0))
