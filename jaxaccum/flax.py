@@ -26,9 +26,22 @@ full-batch one; the running *variance* is the mean of the within-microbatch
 variances, smaller than the full-batch variance by the (weighted) variance of
 the microbatch means (law of total variance). That is also what the model
 normalised with during training, since BatchNorm in training mode uses each
-microbatch's own statistics. A microbatch that `accumulate(...,
-skip_nonfinite=True)` drops takes its statistics with it, and a window with no
-finite microbatch leaves the statistics as they were.
+microbatch's own statistics. A microbatch that `accumulate` drops (a NaN,
+infinite or negative traced weight, or under `skip_nonfinite=True` a
+non-finite gradient; counted in `num_skipped`) takes its statistics with it;
+one of weight 0 (padding only) adds exactly nothing, selected out rather than
+multiplied by 0, so NaN statistics from an empty microbatch cannot leak; and a
+window of total weight 0 leaves parameters, optimizer state, statistics and
+`step` as they were (counted in `num_empty_windows`).
+
+Counters. `step` counts updates (for schedules and checkpoints);
+`microbatches_seen` counts every microbatch fed, for per-microbatch
+randomness: `jax.random.fold_in(rng, state.microbatches_seen)`.
+
+`ja.accumulate` must be the outermost transformation: clipping, weight decay
+and schedules go inside it (`ja.accumulate(optax.chain(clip, adam), k)`), so
+they act once per window on the mean gradient; the constructors refuse an
+`accumulate` nested in another transformation.
 """
 
 from __future__ import annotations
@@ -43,8 +56,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxaccum import _tree
-from jaxaccum import parallel
+from jaxaccum import _tree, parallel
 from jaxaccum.accumulate import AccumulateState
 
 __all__ = ["TrainState", "AccumulatingOptimizer"]
@@ -69,21 +81,78 @@ def _apply_accumulated(tx, grads, opt_state, params, weight, extra_args):
   return params, opt_state
 
 
-def _weight_or_one(weight, dtype):
-  return jnp.ones([], dtype) if weight is None else jnp.asarray(weight).astype(dtype)
+def _check_tx(tx, owner: str) -> None:
+  """A clear TypeError for what is not an optax transformation: None, or a factory not called."""
+  if hasattr(tx, "init") and hasattr(tx, "update"):
+    return
+  example = "ja.accumulate(optax.adam(1e-3), 4)"
+  if tx is None:
+    raise TypeError(f"tx=None: {owner} needs an optax GradientTransformation, e.g. tx={example}")
+  if callable(tx):
+    name = getattr(tx, "__qualname__", None) or repr(tx)
+    raise TypeError(f"tx={name} is a function (an optax factory, not called?), not a GradientTransformation: "
+                    f"call it with its hyperparameters, e.g. tx={example}")
+  raise TypeError(f"tx={tx!r} must be an optax GradientTransformation, e.g. tx={example}")
+
+
+def _check_accumulate_outermost(opt_state, owner: str) -> None:
+  """Refuses a `ja.accumulate` nested inside another transformation (e.g. `optax.chain(clip, accumulate)`).
+
+  Only an outermost `accumulate` lets `step` count updates, take `weight=`
+  and skip the parameter write. And whatever is chained *before* it runs on
+  every microbatch's gradient, not on the window's mean gradient: clipping
+  there clips each microbatch, a different (and batch-size dependent)
+  algorithm.
+  """
+  if isinstance(opt_state, AccumulateState):
+    return
+  found = [path for path, leaf in jax.tree_util.tree_leaves_with_path(
+      opt_state, is_leaf=lambda x: isinstance(x, AccumulateState)) if isinstance(leaf, AccumulateState)]
+  if found:
+    raise ValueError(
+        f"tx holds ja.accumulate inside another transformation (its AccumulateState is at "
+        f"opt_state{jax.tree_util.keystr(found[0])}; the state is a {type(opt_state).__name__}). {owner} needs "
+        "ja.accumulate outermost, with everything else inside it: write "
+        "ja.accumulate(optax.chain(optax.clip_by_global_norm(1.0), adam), k) instead of "
+        "optax.chain(optax.clip_by_global_norm(1.0), ja.accumulate(adam, k)). Transformations chained before "
+        "accumulate run on every microbatch's gradient, so that clips each microbatch instead of the window's "
+        "mean gradient once per update (the bug Keras 3 shipped, keras#19990), and step would count "
+        "micro-steps and weight= could not be passed.")
+
+
+def _distinct(x):
+  """A copy in its own buffer, for a value stored twice in a state (see `TrainState.create`).
+
+  A state holding one buffer in two places cannot be donated: XLA refuses to
+  donate a buffer twice (and crashes on a multi-device mesh).
+  """
+  return jax.tree.map(lambda a: jnp.array(a, copy=True), x)
+
+
+def _take(weight, dtype, kept):
+  """(take, w): whether this microbatch's statistics count, and their weight (0 when not taken).
+
+  Taken when `accumulate` kept the microbatch (`kept`: `num_skipped` did not
+  grow, so it was neither non-finite under skip_nonfinite nor of an invalid
+  weight) and its weight is finite and > 0. A microbatch of weight 0 (all
+  padding) adds nothing, even with NaN statistics.
+  """
+  w = jnp.ones([], dtype) if weight is None else jnp.asarray(weight).astype(dtype)
+  take = jnp.logical_and(kept, jnp.logical_and(jnp.isfinite(w), w > 0))
+  return take, jnp.where(take, w, jnp.zeros_like(w))
 
 
 def _accumulate_stats(new_stats, stats_sum, stats_weight, weight, new_window, kept):
   """sum <- (new window ? 0 : sum) + w s_i, and the same for the weight (lazy reset, as accumulate does).
 
-  `kept` is False for a microbatch that `accumulate(..., skip_nonfinite=True)`
-  dropped: its statistics (likely NaN too) are dropped with it.
+  A microbatch that is not taken (`_take`) adds exactly nothing: selected
+  out, never multiplied by 0 (NaN * 0 is NaN).
   """
-  w = jnp.where(kept, _weight_or_one(weight, stats_weight.dtype), jnp.zeros([], stats_weight.dtype))
+  take, w = _take(weight, stats_weight.dtype, kept)
 
   def add(acc, s):
     s = s.astype(acc.dtype) * w.astype(acc.dtype)
-    return jnp.where(new_window, jnp.zeros_like(acc), acc) + jnp.where(kept, s, jnp.zeros_like(s))  # NaN * 0 is NaN
+    return jnp.where(new_window, jnp.zeros_like(acc), acc) + jnp.where(take, s, jnp.zeros_like(s))
 
   stats_sum = jax.tree.map(add, stats_sum, new_stats)
   stats_weight = jnp.where(new_window, jnp.zeros_like(stats_weight), stats_weight) + w
@@ -91,7 +160,7 @@ def _accumulate_stats(new_stats, stats_sum, stats_weight, weight, new_window, ke
 
 
 def _kept(old_opt_state, new_opt_state):
-  """False when the call just made dropped its microbatch as non-finite."""
+  """False when `accumulate` just dropped the microbatch (non-finite, or an invalid weight)."""
   return new_opt_state.num_skipped == old_opt_state.num_skipped
 
 
@@ -120,11 +189,21 @@ class TrainState(flax_train_state.TrainState):
   `TrainState.create(apply_fn=..., params=..., tx=ja.accumulate(inner, k),
   batch_stats=None)`; then one `apply_gradients(grads=..., weight=None,
   batch_stats=None)` per microbatch. With any other optax `tx` it behaves as
-  flax's `TrainState` (`step` counts calls, `weight` is refused).
+  flax's `TrainState` (`step` counts calls, `weight` is refused). `accumulate`
+  must be the outermost transformation (`create` refuses
+  `optax.chain(..., ja.accumulate(...))`).
+
+  Subclass it as flax's (`class TrainState(ja.flax.TrainState): batch_stats:
+  Any`, or new fields without defaults): the fields below are keyword-only.
 
   Attributes (besides flax's `apply_fn`, `params`, `tx`, `opt_state`):
     step: int32 scalar, completed updates (`opt_state.update_count`); with a
-      plain `tx`, calls of `apply_gradients`.
+      plain `tx`, calls of `apply_gradients`. Key schedules and checkpoints on it.
+    microbatches_seen: int32 scalar, calls of `apply_gradients` (every
+      microbatch fed, dropped ones included). Key per-microbatch randomness on
+      it: `jax.random.fold_in(rng, state.microbatches_seen)` gives each
+      microbatch its own dropout key, where `fold_in(rng, state.step)` gives
+      the k microbatches of a window the same one.
     micro_step: (property) microbatches already in the current window; 0 right
       after an update.
     batch_stats: BatchNorm running statistics (a linen `batch_stats`
@@ -137,12 +216,17 @@ class TrainState(flax_train_state.TrainState):
       window-end statistics are also averaged (one psum of the small stats
       tree per window). Parameters are averaged by `ja.accumulate(...,
       axis_name=...)`, not here.
+
+  Every array of the state is its own buffer (`step` is a copy of
+  `opt_state.update_count`, not the same array), so the whole state can be
+  donated to a jitted step.
   """
 
-  batch_stats: Any = None
-  batch_stats_sum: Any = None
-  batch_stats_weight: Any = None
-  axis_name: Any = struct.field(pytree_node=False, default=None)
+  batch_stats: Any = struct.field(default=None, kw_only=True)
+  batch_stats_sum: Any = struct.field(default=None, kw_only=True)
+  batch_stats_weight: Any = struct.field(default=None, kw_only=True)
+  microbatches_seen: Any = struct.field(default=None, kw_only=True)
+  axis_name: Any = struct.field(pytree_node=False, default=None, kw_only=True)
 
   @property
   def micro_step(self) -> jax.Array:
@@ -157,26 +241,37 @@ class TrainState(flax_train_state.TrainState):
     Args:
       apply_fn: usually `model.apply`.
       params: the parameters `tx` updates.
-      tx: `ja.accumulate(inner, k)` (any optax transformation works, as in flax).
+      tx: `ja.accumulate(inner, k)`, outermost (any optax transformation
+        without an `accumulate` inside works, as in flax).
       batch_stats: the model's initial `batch_stats` collection, or None.
       axis_name: see the class docstring.
       **kwargs: further fields of a subclass.
 
     Raises:
-      TypeError: `tx` is not an optax transformation.
+      TypeError: `tx` is not an optax transformation (None, or a factory such
+        as `optax.adam` not called).
+      ValueError: `tx` holds a `ja.accumulate` that is not outermost, e.g.
+        `optax.chain(optax.clip_by_global_norm(1.0), ja.accumulate(adam, k))`.
     """
-    if not (hasattr(tx, "init") and hasattr(tx, "update")):
-      raise TypeError(f"tx={tx!r} must be an optax GradientTransformation, e.g. ja.accumulate(optax.adam(1e-3), 4)")
+    _check_tx(tx, "TrainState.create")
     if axis_name is not None:
       parallel.validate_axis_name(axis_name)
     opt_state = tx.init(params)
+    _check_accumulate_outermost(opt_state, "ja.flax.TrainState")
     stats_sum = stats_weight = None
     if batch_stats is not None:
       stats_sum, stats_weight = _stats_accumulator(batch_stats)
-    step = opt_state.update_count if isinstance(opt_state, AccumulateState) else jnp.zeros([], jnp.int32)
+    if isinstance(opt_state, AccumulateState):
+      step = _distinct(opt_state.update_count)
+    else:
+      step = jnp.zeros([], jnp.int32)
     return cls(step=step, apply_fn=apply_fn, params=params, tx=tx, opt_state=opt_state,
                batch_stats=batch_stats, batch_stats_sum=stats_sum, batch_stats_weight=stats_weight,
-               axis_name=axis_name, **kwargs)
+               microbatches_seen=jnp.zeros([], jnp.int32), axis_name=axis_name, **kwargs)
+
+  def _seen_plus_one(self):
+    seen = jnp.zeros([], jnp.int32) if self.microbatches_seen is None else self.microbatches_seen
+    return seen + 1
 
   def apply_gradients(self, *, grads, weight=None, batch_stats=None, **kwargs):
     """Feeds one microbatch: its gradient, its weight and (with BatchNorm) its new statistics.
@@ -185,6 +280,12 @@ class TrainState(flax_train_state.TrainState):
       grads: the microbatch's gradient, the structure of `params`.
       weight: the microbatch's weight w_i (e.g. its number of examples or
         tokens); None means 1. The window's update uses sum w_i g_i / sum w_i.
+        Under jit, a microbatch of weight 0 adds nothing (its gradient and
+        statistics may be NaN); a NaN, infinite or negative weight drops the
+        microbatch (counted in `opt_state.num_skipped`); a window of total
+        weight 0 applies nothing (`params`, `opt_state`'s inner state,
+        `batch_stats` and `step` stay; counted in
+        `opt_state.num_empty_windows`).
       batch_stats: the `batch_stats` collection returned by this microbatch's
         training-mode forward pass (computed from `self.batch_stats`).
       **kwargs: other fields to `replace`.
@@ -192,19 +293,21 @@ class TrainState(flax_train_state.TrainState):
     Returns:
       The new state. On a micro-step `params` are the same buffers, `step` is
       unchanged and `micro_step` is one more; on a window's last microbatch
-      `params` take the update, `step` is one more and `micro_step` is 0.
+      `params` take the update, `step` is one more (unless the window was
+      empty) and `micro_step` is 0. `microbatches_seen` is always one more.
 
     Raises:
       TypeError: `weight` with a `tx` that is not `ja.accumulate`.
       ValueError: `batch_stats` given to a state created without them, or not
-        matching them; grads not matching `params`; a non-finite or
-        non-positive concrete `weight`.
+        matching them; grads not matching `params`; a concrete `weight` that
+        is negative or not finite.
     """
     if batch_stats is not None:
       if self.batch_stats is None:
         raise ValueError("batch_stats were given but this TrainState was created without them: "
                          "pass TrainState.create(..., batch_stats=variables['batch_stats'])")
       _tree.check_same_structure(batch_stats, self.batch_stats, "batch_stats", "state.batch_stats")
+    seen = self._seen_plus_one()
 
     if not isinstance(self.opt_state, AccumulateState):
       # A plain optax transformation: flax's semantics, step counts calls.
@@ -215,7 +318,7 @@ class TrainState(flax_train_state.TrainState):
       updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
       extra = {} if batch_stats is None else {"batch_stats": batch_stats}
       return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
-                          opt_state=opt_state, **extra, **kwargs)
+                          opt_state=opt_state, microbatches_seen=seen, **extra, **kwargs)
 
     _tree.check_same_structure(grads, self.params, "grads", "state.params")
     new_window = self.opt_state.micro_step == 0
@@ -235,7 +338,9 @@ class TrainState(flax_train_state.TrainState):
           lambda ops: ops[2],
           (stats_sum, stats_weight, self.batch_stats))
       extra = {"batch_stats": new_stats, "batch_stats_sum": stats_sum, "batch_stats_weight": stats_weight}
-    return self.replace(step=opt_state.update_count, params=params, opt_state=opt_state, **extra, **kwargs)
+    # `step` in its own buffer: the same array in two places could not be donated.
+    return self.replace(step=_distinct(opt_state.update_count), params=params, opt_state=opt_state,
+                        microbatches_seen=seen, **extra, **kwargs)
 
 
 # --------------------------------------------------------------------------- nnx
@@ -262,9 +367,19 @@ class AccumulatingOptimizer(nnx.Optimizer):
   on micro-steps and writes the weighted mean at the window's end. So change
   those variables only through forward passes followed by `update`. Dropout
   needs nothing: an `nnx.Rngs` stream gives each forward pass (microbatch) its
-  own key, or pass `rngs=` per microbatch.
+  own key; or pass `rngs=` per microbatch with a key from
+  `jax.random.fold_in(rng, optimizer.microbatches_seen[...])`, the number of
+  `update` calls so far (`step` would give a window's microbatches one key).
 
-  With any other optax `tx` it is `nnx.Optimizer`.
+  Under jit a microbatch of weight 0 adds nothing (gradient and statistics may
+  be NaN), one of invalid weight (NaN, infinite, negative) is dropped with its
+  statistics, and a window of total weight 0 changes nothing (parameters,
+  statistics, `step`); see `ja.accumulate`. Every array of the optimizer is its
+  own buffer, none shared with the model, so model and optimizer can be
+  donated together.
+
+  With any other optax `tx` without an `accumulate` inside it is
+  `nnx.Optimizer` (plus `microbatches_seen`); `accumulate` must be outermost.
   """
 
   def __init__(self, model, tx: optax.GradientTransformation, *, wrt, batch_stats=nnx.BatchStat,
@@ -277,10 +392,18 @@ class AccumulatingOptimizer(nnx.Optimizer):
         statistics are also averaged (one psum of the small statistics tree per
         window, none on micro-steps). Gradients are averaged by
         `ja.accumulate(..., axis_name=...)`, not here.
+
+    Raises:
+      TypeError: `tx` is not an optax transformation (None, or a factory such
+        as `optax.adam` not called); `wrt` missing.
+      ValueError: `tx` holds a `ja.accumulate` that is not outermost.
     """
+    _check_tx(tx, "AccumulatingOptimizer")
     if axis_name is not None:
       parallel.validate_axis_name(axis_name)
     super().__init__(model, tx, wrt=wrt, graph=graph)
+    _check_accumulate_outermost(nnx.as_pure(self.opt_state), "ja.flax.AccumulatingOptimizer")
+    self.microbatches_seen = nnx.OptState(jnp.zeros([], jnp.int32))
     self.stats_filter = batch_stats
     self.axis_name = axis_name
     stats = None
@@ -292,11 +415,12 @@ class AccumulatingOptimizer(nnx.Optimizer):
       self.stats_start = self.stats_sum = self.stats_weight = None
     else:
       acc, weight = _stats_accumulator(stats)
-      self.stats_start = nnx.data(jax.tree.map(lambda s: nnx.OptState(jnp.asarray(s)), stats))
+      # Copies: buffers shared with the model could not be donated with it.
+      self.stats_start = nnx.data(jax.tree.map(lambda s: nnx.OptState(_distinct(s)), stats))
       self.stats_sum = nnx.data(jax.tree.map(nnx.OptState, acc))
       self.stats_weight = nnx.OptState(weight)
     if self._accumulating():
-      self.step[...] = nnx.as_pure(self.opt_state).update_count.astype(self.step.dtype)
+      self.step[...] = _distinct(nnx.as_pure(self.opt_state).update_count.astype(self.step.dtype))
 
   def _accumulating(self) -> bool:
     return isinstance(nnx.as_pure(self.opt_state), AccumulateState)
@@ -324,7 +448,9 @@ class AccumulatingOptimizer(nnx.Optimizer):
     if not self._accumulating():
       if weight is not None:
         raise TypeError(f"{weight=} needs tx=ja.accumulate(...); this optimizer's tx is not one")
-      return super().update(model, grads, **kwargs)
+      out = super().update(model, grads, **kwargs)
+      self.microbatches_seen[...] = self.microbatches_seen[...] + 1
+      return out
     param_arrays = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
     grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
     if self.stats_start is not None:
@@ -352,10 +478,12 @@ class AccumulatingOptimizer(nnx.Optimizer):
 
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
-    self.step[...] = opt_state.update_count.astype(self.step.dtype)
+    # Own buffers for values stored twice (see `_distinct`): donation needs them.
+    self.step[...] = _distinct(opt_state.update_count.astype(self.step.dtype))
+    self.microbatches_seen[...] = self.microbatches_seen[...] + 1
     if self.stats_start is not None:
       nnx.update(model, stats)
-      nnx.update(self.stats_start, stats)
+      nnx.update(self.stats_start, _distinct(stats))
       nnx.update(self.stats_sum, stats_sum)
       self.stats_weight[...] = stats_weight
     return jax.tree.map(jnp.subtract, new_params, param_arrays)

@@ -1,6 +1,10 @@
 """ja.flax: linen TrainState and nnx AccumulatingOptimizer against plain jax/optax references (float64)."""
 
 import functools
+import subprocess
+import sys
+import textwrap
+from typing import Any
 
 import chex
 import flax.linen as nn
@@ -9,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from conftest import mlp_apply, mlp_init, mse_loss, regression_data
+from flax import nnx, struct
 from flax.training import train_state as flax_train_state
 
 import jaxaccum as ja
-from conftest import mlp_apply, mlp_init, mse_loss, regression_data
 
 RTOL = 1e-12
 SIZES = (3, 5, 4, 5, 3, 4)  # two windows of K=3, unequal microbatch sizes, weighted by size
@@ -23,7 +27,7 @@ K = 3
 def microbatches(data, sizes=SIZES):
   x, y = data
   edges = np.cumsum([0] + list(sizes))
-  return [(x[a:b], y[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+  return [(x[a:b], y[a:b]) for a, b in zip(edges[:-1], edges[1:], strict=True)]
 
 
 def union(batches):
@@ -51,7 +55,8 @@ def reference_with_stats(loss_and_stats, params, stats, batches, keys, sizes, k,
     idx = range(w * k, (w + 1) * k)
     outs = [ref_grad(params, stats, batches[i], keys[i]) for i in idx]
     wts = [float(sizes[i]) for i in idx]
-    mean = lambda trees: jax.tree.map(lambda *xs: sum(wi * xi for wi, xi in zip(wts, xs)) / sum(wts), *trees)
+    wsum = lambda *xs: sum(wi * xi for wi, xi in zip(wts, xs, strict=True))
+    mean = lambda trees: jax.tree.map(lambda *xs: wsum(*xs) / sum(wts), *trees)
     updates, opt_state = opt.update(mean([o[0] for o in outs]), opt_state, params)
     params, stats = optax.apply_updates(params, updates), mean([o[1] for o in outs])
     after.append((params, stats))
@@ -78,7 +83,8 @@ def test_linen_trainstate_counts_updates_and_equals_large_batch():
     if (i + 1) % K:
       chex.assert_trees_all_equal(state.params, before)  # micro-step: parameters untouched
     else:
-      assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(before)))
+      pairs = zip(jax.tree.leaves(state.params), jax.tree.leaves(before), strict=True)
+      assert not all(np.array_equal(a, b) for a, b in pairs)
   assert seen == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0)]
   expected = reference_run(optax.adam(0.05), params, mse_loss, batches)
   chex.assert_trees_all_close(state.params, expected, rtol=RTOL, atol=0)
@@ -109,7 +115,7 @@ def test_linen_trainstate_with_plain_tx_behaves_like_flax():
   for batch in batches:
     plain = plain.apply_gradients(grads=jax.grad(mse_loss)(plain.params, batch))
     ours = ours.apply_gradients(grads=jax.grad(mse_loss)(ours.params, batch))
-  assert int(ours.step) == 3 and int(ours.micro_step) == 0
+  assert int(ours.step) == 3 and int(ours.micro_step) == 0 and int(ours.microbatches_seen) == 3
   chex.assert_trees_all_close(ours.params, plain.params, rtol=RTOL, atol=0)
 
 
@@ -264,7 +270,7 @@ def test_linen_bad_input():
                                 axis_name=bad)
   state = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.sgd(0.1), 2))
   with pytest.raises(ValueError, match="weight"):
-    state.apply_gradients(grads=grads, weight=0.0)
+    state.apply_gradients(grads=grads, weight=-1.0)
   with pytest.raises(ValueError, match="weight"):
     state.apply_gradients(grads=grads, weight=float("nan"))
   with pytest.raises(ValueError, match="grads"):
@@ -280,6 +286,139 @@ def test_linen_bad_input():
     plain.apply_gradients(grads=grads, weight=2.0)
   with pytest.raises(TypeError, match="tx"):
     ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=optax.sgd)
+
+
+def _adam_reference(params, mean_grads, lr, b1=0.9, b2=0.999, eps=1e-8):
+  """Adam written plainly in numpy, one step per mean gradient: the parameters after each step."""
+  params = jax.tree.map(np.asarray, params)
+  m = jax.tree.map(np.zeros_like, params)
+  v = jax.tree.map(np.zeros_like, params)
+  after = []
+  for t, g in enumerate(mean_grads, start=1):
+    g = jax.tree.map(np.asarray, g)
+    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
+    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
+    params = jax.tree.map(
+        lambda p, m, v: p - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps), params, m, v)
+    after.append(params)
+  return after
+
+
+def test_linen_zero_invalid_weights_and_empty_window_under_jit():
+  """Weight 0 with NaN gradient/statistics adds nothing; NaN or negative weights drop the microbatch
+  (its statistics too); a window of total weight 0 changes nothing and does not advance step."""
+  params = {"w": jnp.asarray([1.0, -2.0, 0.5])}
+  state = ja.flax.TrainState.create(apply_fn=None, params=params, tx=ja.accumulate(optax.adam(0.1), 3),
+                                    batch_stats={"mean": jnp.zeros(3)})
+  step = jax.jit(lambda st, g, s, w: st.apply_gradients(grads={"w": g}, batch_stats={"mean": s}, weight=w))
+  nan = jnp.full(3, jnp.nan)
+  g1, g2, s1, s2 = jnp.asarray([1.0, 2.0, 3.0]), jnp.asarray([-1.0, 0.0, 4.0]), jnp.full(3, 2.0), jnp.full(3, 7.0)
+  windows = [
+      [(g1, s1, 2.0), (nan, nan, 0.0), (g2, s2, 5.0)],  # padding only: weight 0, NaN everything
+      [(g1, s1, 4.0), (g2, s2, jnp.nan), (nan, s2, -2.0)],  # invalid weights: dropped with their statistics
+      [(nan, nan, 0.0), (g2, s2, jnp.nan), (nan, nan, 0.0)],  # total weight 0: nothing at all
+  ]
+  expected = _adam_reference(params, [{"w": (2 * g1 + 5 * g2) / 7}, {"w": g1}], 0.1)
+  expected_stats = [(2 * s1 + 5 * s2) / 7, s1]
+  for w, window in enumerate(windows):
+    before = state
+    for g, st, weight in window:
+      state = step(state, g, st, weight)
+    if w < 2:
+      chex.assert_trees_all_close(state.params, expected[w], rtol=RTOL, atol=0)
+      np.testing.assert_allclose(state.batch_stats["mean"], expected_stats[w], rtol=RTOL)
+      assert int(state.step) == w + 1
+    else:
+      chex.assert_trees_all_equal((state.params, state.batch_stats, state.opt_state.inner_state),
+                                  (before.params, before.batch_stats, before.opt_state.inner_state))
+      assert int(state.step) == 2 and int(state.opt_state.update_count) == 2
+  assert int(state.opt_state.num_skipped) == 3 and int(state.opt_state.num_empty_windows) == 1
+  assert int(state.microbatches_seen) == 9 and int(state.micro_step) == 0
+
+
+class DropoutOnly(nn.Module):
+  @nn.compact
+  def __call__(self, x, train: bool):
+    return nn.Dropout(0.5, deterministic=not train)(x)
+
+
+def test_linen_microbatches_seen_gives_each_microbatch_its_dropout_key():
+  """fold_in(rng, state.microbatches_seen): a new mask per microbatch; fold_in(rng, state.step) repeats
+  within a window."""
+  model, rng, k = DropoutOnly(), jax.random.PRNGKey(5), 3
+  params = {"w": jnp.zeros(2)}
+  state = ja.flax.TrainState.create(apply_fn=model.apply, params=params, tx=ja.accumulate(optax.sgd(0.1), k))
+  assert state.microbatches_seen.dtype == jnp.int32
+
+  @jax.jit
+  def step(state):
+    mask = lambda n: model.apply({}, jnp.ones(64), train=True, rngs={"dropout": jax.random.fold_in(rng, n)}) != 0
+    new = state.apply_gradients(grads={"w": jnp.ones(2)})
+    return new, mask(state.microbatches_seen), mask(state.step)
+
+  by_seen, by_step = [], []
+  for i in range(2 * k):
+    state, m_seen, m_step = step(state)
+    by_seen.append(np.asarray(m_seen))
+    by_step.append(np.asarray(m_step))
+    assert int(state.microbatches_seen) == i + 1
+  assert len({m.tobytes() for m in by_seen}) == 2 * k  # every microbatch its own mask
+  assert len({m.tobytes() for m in by_step}) == 2  # the trap: one mask per window
+
+
+def test_linen_state_can_be_donated_whole():
+  """No buffer appears twice in the state (step vs opt_state.update_count), so a jitted step that reads
+  state.step can take the state donated."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 4, 2))
+  state = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.adam(0.1), 2),
+                                    batch_stats={"mean": jnp.zeros(3)})
+  batch = regression_data(jax.random.PRNGKey(1), 4)
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(state, batch):
+    new = state.apply_gradients(grads=jax.grad(mse_loss)(state.params, batch), batch_stats={"mean": batch[0][0]},
+                                weight=2.0)
+    return new, state.step * 10  # a schedule reading the donated step, as lm1b's does
+
+  def assert_distinct(state):
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)]
+    assert len(set(pointers)) == len(pointers)
+
+  assert_distinct(state)
+  for i in range(5):
+    state, read = step(state, batch)
+    assert_distinct(state)
+    assert int(read) == 10 * (i // 2)
+  assert int(state.step) == 2 and int(state.microbatches_seen) == 5
+
+
+def test_linen_trainstate_subclasses_like_flax():
+  """Flax's ImageNet example: `batch_stats: Any` redeclared, and a new field without a default."""
+
+  class WithStats(ja.flax.TrainState):
+    batch_stats: Any
+
+  class WithRng(ja.flax.TrainState):
+    dropout_rng: Any
+    scale: Any = struct.field(pytree_node=False, default=1.0)
+
+  params = {"w": jnp.asarray([1.0, -2.0])}
+  step = jax.jit(lambda st, g, s: st.apply_gradients(grads={"w": g}, batch_stats={"mean": s}, weight=1.0))
+  state = WithStats.create(apply_fn=None, params=params, tx=ja.accumulate(optax.sgd(0.1), 2),
+                           batch_stats={"mean": jnp.zeros(2)})
+  for g, s in [(jnp.asarray([1.0, 3.0]), jnp.full(2, 2.0)), (jnp.asarray([3.0, -1.0]), jnp.full(2, 4.0))]:
+    state = step(state, g, s)
+  assert isinstance(state, WithStats) and int(state.step) == 1
+  np.testing.assert_allclose(state.params["w"], [1.0 - 0.1 * 2.0, -2.0 - 0.1 * 1.0], rtol=RTOL)
+  np.testing.assert_allclose(state.batch_stats["mean"], [3.0, 3.0], rtol=RTOL)
+
+  key = jax.random.PRNGKey(3)
+  state = WithRng.create(apply_fn=None, params=params, tx=ja.accumulate(optax.sgd(0.1), 2), dropout_rng=key,
+                         batch_stats={"mean": jnp.zeros(2)})
+  state = step(state, jnp.ones(2), jnp.ones(2))
+  assert isinstance(state, WithRng) and int(state.micro_step) == 1 and int(state.microbatches_seen) == 1
+  np.testing.assert_array_equal(state.dropout_rng, key)
+  assert state.scale == 1.0
 
 
 # --------------------------------------------------------------------------- nnx
@@ -468,3 +607,174 @@ def test_nnx_bad_input():
     bn_optimizer.update(bn_model, bn_grads)
   del bn_model.extra
   chex.assert_trees_all_equal(nnx.as_pure(nnx.state((bn_model, bn_optimizer))), before)
+
+
+
+def test_nnx_zero_invalid_weights_and_empty_window_under_jit():
+  """As the linen test: weight 0 (NaN gradient and statistics) adds nothing, invalid weights drop the
+  microbatch with its statistics, a window of total weight 0 changes nothing."""
+  model = NNXModel(nnx.Rngs(0), batchnorm=True)
+  ga = nnx.grad(nnx_loss)(model, regression_data(jax.random.PRNGKey(1), 6))  # (moves the running var)
+  var0 = np.asarray(model.bn.var[...])
+  optimizer = ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.adam(0.1), 3), wrt=nnx.Param)
+  params0 = nnx.as_pure(nnx.state(model, nnx.Param))
+  gb = jax.tree.map(lambda g: 0.1 - 0.5 * g, ga)
+  gnan = jax.tree.map(lambda g: g * jnp.nan, ga)
+  m1, m2, nan = jnp.linspace(-1.0, 1.0, 8), jnp.linspace(2.0, 0.5, 8), jnp.full(8, jnp.nan)
+
+  @nnx.jit
+  def feed(model, optimizer, mean, g, weight):  # what a training-mode forward pass and its gradient hand over
+    model.bn.mean[...] = mean
+    optimizer.update(model, g, weight=weight)
+
+  windows = [
+      [(m1, ga, 2.0), (nan, gnan, 0.0), (m2, gb, 5.0)],
+      [(m1, ga, 4.0), (m2, gb, jnp.nan), (m2, gnan, -2.0)],
+      [(nan, gnan, 0.0), (m2, ga, jnp.nan), (nan, gnan, 0.0)],
+  ]
+  pa, pb = nnx.as_pure(ga), nnx.as_pure(gb)
+  expected = _adam_reference(params0, [jax.tree.map(lambda a, b: (2 * a + 5 * b) / 7, pa, pb), pa], 0.1)
+  expected_mean = [(2 * m1 + 5 * m2) / 7, m1]
+  for w, window in enumerate(windows):
+    before = nnx.as_pure(nnx.state((model, optimizer.opt_state.inner_state)))
+    for mean, g, weight in window:
+      feed(model, optimizer, mean, g, weight)
+    if w < 2:
+      chex.assert_trees_all_close(nnx.as_pure(nnx.state(model, nnx.Param)), expected[w], rtol=RTOL, atol=1e-15)
+      np.testing.assert_allclose(model.bn.mean[...], expected_mean[w], rtol=RTOL)
+      np.testing.assert_allclose(model.bn.var[...], var0, rtol=RTOL)
+      assert int(optimizer.step[...]) == w + 1
+    else:
+      chex.assert_trees_all_equal(nnx.as_pure(nnx.state((model, optimizer.opt_state.inner_state))), before)
+      assert int(optimizer.step[...]) == 2
+  opt_state = nnx.as_pure(optimizer.opt_state)
+  assert int(opt_state.num_skipped) == 3 and int(opt_state.num_empty_windows) == 1
+  assert int(optimizer.microbatches_seen[...]) == 9
+
+
+def test_nnx_microbatches_seen_gives_each_microbatch_its_dropout_key():
+  k, rng = 3, jax.random.PRNGKey(5)
+  model = NNXModel(nnx.Rngs(0))
+  optimizer = ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.sgd(0.1), k), wrt=nnx.Param)
+  drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+  grads = nnx.grad(nnx_loss)(model, regression_data(jax.random.PRNGKey(1), 4))
+  assert optimizer.microbatches_seen[...].dtype == jnp.int32
+
+  @nnx.jit
+  def step(model, optimizer, drop, grads):
+    key = jax.random.fold_in(rng, optimizer.microbatches_seen[...])
+    mask = drop(jnp.ones(64), rngs=nnx.Rngs(dropout=key)) != 0
+    optimizer.update(model, grads)
+    return mask
+
+  masks = []
+  for i in range(2 * k):
+    masks.append(np.asarray(step(model, optimizer, drop, grads)).tobytes())
+    assert int(optimizer.microbatches_seen[...]) == i + 1
+  assert len(set(masks)) == 2 * k and int(optimizer.step[...]) == 2
+
+
+def test_nnx_model_and_optimizer_can_be_donated_together():
+  """No buffer of the optimizer is one of the model's (saved BatchStats, step): both donated at once."""
+  model = NNXModel(nnx.Rngs(0), batchnorm=True)
+  optimizer = ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.adam(0.1), 2), wrt=nnx.Param)
+  batch = regression_data(jax.random.PRNGKey(1), 4)
+
+  def assert_distinct():
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(nnx.as_pure(nnx.state((model, optimizer))))]
+    assert len(set(pointers)) == len(pointers)
+
+  @functools.partial(nnx.jit, donate_argnums=(0, 1))
+  def step(model, optimizer, batch):
+    optimizer.update(model, nnx.grad(nnx_loss)(model, batch), weight=2.0)
+
+  assert_distinct()
+  for _ in range(3):
+    step(model, optimizer, batch)
+    assert_distinct()
+  assert int(optimizer.step[...]) == 1 and int(optimizer.microbatches_seen[...]) == 3
+
+
+_MESH_DONATION_SCRIPT = textwrap.dedent("""
+    import functools, jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp, optax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxaccum as ja
+
+    mesh = jax.make_mesh((8,), ("data",))
+    replicate = lambda tree: jax.device_put(tree, NamedSharding(mesh, P()))
+    params = {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}
+    state = replicate(ja.flax.TrainState.create(apply_fn=None, params=params, tx=ja.accumulate(optax.adam(0.1), 2),
+                                                batch_stats={"mean": jnp.zeros(2)}))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state):
+      grads = jax.tree.map(jnp.ones_like, state.params)
+      return state.apply_gradients(grads=grads, batch_stats={"mean": jnp.ones(2)}, weight=2.0), state.step + 1
+
+    for _ in range(3):
+      state, _ = step(state)
+    assert int(state.step) == 1
+
+    class M(nnx.Module):
+      def __init__(self):
+        self.lin = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+        self.bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+      def __call__(self, x):
+        return self.bn(self.lin(x))
+
+    model = M()
+    optimizer = ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.adam(0.1), 2), wrt=nnx.Param)
+    graphdef, both = nnx.split((model, optimizer))
+    both = replicate(both)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def nnx_step(both, x):
+      model, optimizer = nnx.merge(graphdef, both)
+      optimizer.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model))
+      return nnx.state((model, optimizer))
+
+    for _ in range(3):
+      both = nnx_step(both, jnp.arange(12.0).reshape(3, 4))
+    assert int(nnx.merge(graphdef, both)[1].step[...]) == 1
+    print("DONATED OK")
+""")
+
+
+def test_donation_with_the_state_replicated_on_an_8_device_mesh():
+  """lm1b places the state on a mesh and donates it: a buffer shared inside the state crashed the
+  process (segfault), hence a subprocess. TrainState, and nnx model + optimizer donated together."""
+  out = subprocess.run([sys.executable, "-c", _MESH_DONATION_SCRIPT], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and "DONATED OK" in out.stdout, (out.returncode, out.stdout[-2000:], out.stderr[-4000:])
+
+
+def test_accumulate_nested_inside_another_transformation_is_refused():
+  """optax.chain(clip, ja.accumulate(adam, k)) clips per microbatch and hides the update count: refused,
+  with the fix in the message; the fixed form is accepted."""
+  params = {"w": jnp.ones(3)}
+  model = NNXModel(nnx.Rngs(0))
+  adam = optax.adam(1e-3)
+  nested = optax.chain(optax.clip_by_global_norm(1.0), ja.accumulate(adam, 2))
+  fix = r"ja\.accumulate\(optax\.chain\(optax\.clip_by_global_norm\(1\.0\), adam\), k\).*keras#19990"
+  with pytest.raises(ValueError, match=r"opt_state\[1\].*" + fix):
+    ja.flax.TrainState.create(apply_fn=None, params=params, tx=nested)
+  with pytest.raises(ValueError, match=fix):
+    ja.flax.AccumulatingOptimizer(model, nested, wrt=nnx.Param)
+  with pytest.raises(ValueError, match=fix):  # however deep
+    ja.flax.TrainState.create(apply_fn=None, params=params, tx=optax.chain(optax.chain(ja.accumulate(adam, 2))))
+  fixed = ja.accumulate(optax.chain(optax.clip_by_global_norm(1.0), adam), 2)
+  assert int(ja.flax.TrainState.create(apply_fn=None, params=params, tx=fixed).step) == 0
+  assert int(ja.flax.AccumulatingOptimizer(model, fixed, wrt=nnx.Param).step[...]) == 0
+
+
+def test_tx_none_or_an_uncalled_factory_is_refused():
+  params = {"w": jnp.ones(3)}
+  model = NNXModel(nnx.Rngs(0))
+  for tx, pattern in ((None, r"tx=None: {}"), (optax.adam, r"tx=adam is a function \(an optax factory, not called")):
+    with pytest.raises(TypeError, match=pattern.format("TrainState.create")):
+      ja.flax.TrainState.create(apply_fn=None, params=params, tx=tx)
+    with pytest.raises(TypeError, match=pattern.format("AccumulatingOptimizer")):
+      ja.flax.AccumulatingOptimizer(model, tx, wrt=nnx.Param)
