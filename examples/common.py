@@ -76,15 +76,14 @@ def max_rel_diff(tree, reference) -> float:
   if jax.tree.structure(tree) != jax.tree.structure(reference):
     raise ValueError(f"trees differ: {jax.tree.structure(tree)} vs {jax.tree.structure(reference)}")
   worst = 0.0
-  for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(reference)):
+  for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(reference), strict=True):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     worst = max(worst, float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300)))
   return worst
 
 
-def report(mode: str, diff: float, loss: float) -> None:
-  print(f"{mode:<14} max relative difference from the full-batch run: {diff:.1e}   (last loss {loss:.4f})",
-        flush=True)
+def report(mode: str, diff: float, loss: float, against: str = "the full-batch run") -> None:
+  print(f"{mode:<14} max relative difference from {against}: {diff:.1e}   (last loss {loss:.4f})", flush=True)
 
 
 def header(name: str, args, jax) -> None:

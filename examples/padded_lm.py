@@ -146,7 +146,7 @@ def accumulate():
     for micro in chunks(batch):
       state, micro_loss = step(state, micro)
       window.append((micro_loss, num_tokens(micro)))
-  return state.params, sum(l * w for l, w in window) / sum(w for _, w in window)
+  return state.params, sum(loss * w for loss, w in window) / sum(w for _, w in window)
 
 
 def microbatch():
