@@ -195,7 +195,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       if base in COLLECTIVES and not opcode.endswith("-done"):
         out = _ARRAY.findall(result)
         # An async start returns (operands..., results...): the result is the last array.
-        result_bytes = _array_bytes(result) if base == opcode else _array_bytes("%s[%s]" % out[-1]) if out else 0
+        result_bytes = _array_bytes(result) if base == opcode else _array_bytes("{}[{}]".format(*out[-1])) if out else 0
         found.append((base, context, _groups(line), result_bytes))
       for kind, target in called:
         if kind in ("body", "condition"):

@@ -52,7 +52,8 @@ shards; otherwise it is replicated over the data axis.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +62,7 @@ import optax
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxaccum import _tree
-from jaxaccum import parallel
+from jaxaccum import _tree, parallel
 
 STRATEGIES = ("ddp", "zero1", "fsdp", "hsdp")
 FSDP_GATHERS = ("per_microbatch", "once")
@@ -186,7 +186,7 @@ def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool) -> _Leaf:
     names = _names(entry)
     if any(n in data for n in names) and len(names) > 1:
       raise ValueError(
-          f"{where} has sharding spec {PartitionSpec(*given)}: one dimension split over a data axis and another "
+          f"{where} has sharding spec {_spec(given)}: one dimension split over a data axis and another "
           f"axis together, which strategy={plan.strategy!r} does not handle")
     base.append(None if any(n in data for n in names) else entry)
   used_data = [e for e in given if any(n in data for n in _names(e))]
@@ -195,10 +195,12 @@ def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool) -> _Leaf:
   # shard_train_state takes any layout that does not contradict the strategy over the data axes;
   # a step takes exactly the layout shard_train_state gives (a silent reshard would cost a collective).
   if (used_data or (placed and sharding is not None)) and given != param:
+    rule = ("its largest dimension not sharded otherwise and divisible by the data axis size, if any"
+            if plan.params_sharded else "parameters stay replicated over the data axes")
     raise ValueError(
-        f"{where} has sharding spec {PartitionSpec(*given)}, which conflicts with strategy={plan.strategy!r} "
-        f"over data axes {plan.batch_axes}: it expects {_spec(param)} (largest dimension divisible by the "
-        "data axis size, others replicated). Use ja.shard_train_state to place the parameters.")
+        f"{where} has sharding spec {_spec(given)}, which conflicts with strategy={plan.strategy!r} "
+        f"over data axes {plan.batch_axes}: it expects {_spec(param)} ({rule}). Place parameters and "
+        "optimizer state with ja.shard_train_state(params, optimizer, mesh, strategy=...).")
   other = any(e is not None for e in base)
   return _Leaf(_spec(param), _spec(opt), dim, other)
 
@@ -213,7 +215,7 @@ def _is_leaf(x):
 
 def _place(x, mesh: Mesh, spec: PartitionSpec):
   """Lays `x` out as `spec` inside jit: `reshard` over Explicit axes, a sharding constraint over Auto ones."""
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
   entries = _entries(spec, np.ndim(x))
 
   def keep(kind):
@@ -251,7 +253,7 @@ def _state_specs(optimizer, params_shape, layouts, mesh, plan):
   """Specs of the optimizer state: parameter-shaped leaves follow their parameter, the rest the layout rule."""
   state_shape = jax.eval_shape(optimizer.init, params_shape)
   bases = jax.tree.map(
-      lambda p, l: _Base(p.shape, [None if e == plan.shard_axis else e for e in _entries(l.opt_spec, p.ndim)]),
+      lambda p, lay: _Base(p.shape, [None if e == plan.shard_axis else e for e in _entries(lay.opt_spec, p.ndim)]),
       params_shape, layouts, is_leaf=_is_leaf)
 
   def for_param(s, b):
@@ -304,8 +306,8 @@ def shard_train_state(params, optimizer, mesh: Mesh, *, strategy: str = "ddp", d
   optimizer = _tree.check_optimizer(optimizer, "optimizer")
   plan = _make_plan(strategy, mesh, data_axis)
   layouts = _layouts(params, mesh, plan, placed=False)
-  param_sh = jax.tree.map(lambda l: NamedSharding(mesh, l.param_spec), layouts, is_leaf=_is_leaf)
-  opt_specs = jax.tree.map(lambda l: l.opt_spec, layouts, is_leaf=_is_leaf)
+  param_sh = jax.tree.map(lambda lay: NamedSharding(mesh, lay.param_spec), layouts, is_leaf=_is_leaf)
+  opt_specs = jax.tree.map(lambda lay: lay.opt_spec, layouts, is_leaf=_is_leaf)
   params_shape = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _tree.dtype_of(x)), params)
   _, state_specs = _state_specs(optimizer, params_shape, layouts, mesh, plan)
   state_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs,
@@ -335,11 +337,33 @@ def _vary(x, axes):
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def _typed(s):
+  """The sharding of an abstract value when it has one in its type (Explicit axes), else None."""
+  sharding = getattr(s, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  return sharding if spec is not None and any(e is not None for e in spec) else None
+
+
 def _groups(items, key):
   out: dict = {}
   for item in items:
     out.setdefault(key(item), []).append(item)
   return out.values()
+
+
+def _auto_other(fn, leaf, axis):
+  """`fn` (a collective over the manual `axis`) on a leaf that Explicit non-data axes also shard.
+
+  JAX's collectives take no operand typed as sharded over other Explicit axes;
+  `auto_axes` lets the partitioner handle those axes for the one call.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+  entries = [None if axis in _names(e) else e for e in leaf.param_spec]
+  explicit = sorted({n for e in entries for n in _names(e) if types.get(n) == AxisType.Explicit})
+  if not explicit:
+    return fn
+  return jax.sharding.auto_axes(fn, axes=tuple(explicit), out_sharding=_spec(entries))
 
 
 def _reduce_scatter(xs, leaves, axis, size, wire):
@@ -350,10 +374,11 @@ def _reduce_scatter(xs, leaves, axis, size, wire):
   """
   out = [None] * len(xs)
   packable = []
-  for j, (x, leaf) in enumerate(zip(xs, leaves)):
+  for j, (x, leaf) in enumerate(zip(xs, leaves, strict=True)):
     w = jnp.dtype(wire) if wire is not None else x.dtype
     if leaf.other:
-      out[j] = lax.psum_scatter(x.astype(w), axis, scatter_dimension=leaf.dim, tiled=True).astype(x.dtype)
+      rs = lambda y, d=leaf.dim: lax.psum_scatter(y, axis, scatter_dimension=d, tiled=True)
+      out[j] = _auto_other(rs, leaf, axis)(x.astype(w)).astype(x.dtype)
     else:
       packable.append((j, w))
   for group in _groups(packable, key=lambda jw: jw[1]):
@@ -361,7 +386,7 @@ def _reduce_scatter(xs, leaves, axis, size, wire):
     rows = [jnp.moveaxis(xs[j], leaves[j].dim, 0).astype(w).reshape(size, -1) for j, w in group]
     mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), axis, scatter_dimension=0, tiled=False)
     offset = 0
-    for (j, _), row in zip(group, rows):
+    for (j, _), row in zip(group, rows, strict=True):
       x, dim = xs[j], leaves[j].dim
       block = x.shape[dim] // size
       n = row.shape[1]
@@ -375,16 +400,17 @@ def _all_gather(xs, leaves, axis, size, to):
   """Inverse of `_reduce_scatter`'s layout: local blocks -> full arrays, one instruction per dtype."""
   out = [None] * len(xs)
   packable = []
-  for j, (x, leaf) in enumerate(zip(xs, leaves)):
+  for j, (x, leaf) in enumerate(zip(xs, leaves, strict=True)):
     if leaf.other:
-      out[j] = lax.all_gather(x, axis, axis=leaf.dim, tiled=True, to=to)
+      ag = lambda y, d=leaf.dim: lax.all_gather(y, axis, axis=d, tiled=True, to=to)
+      out[j] = _auto_other(ag, leaf, axis)(x)
     else:
       packable.append(j)
   for group in _groups(packable, key=lambda j: xs[j].dtype):
     flats = [jnp.moveaxis(xs[j], leaves[j].dim, 0).reshape(-1) for j in group]
     full = lax.all_gather(jnp.concatenate(flats), axis, axis=0, tiled=False, to=to)
     offset = 0
-    for j, flat in zip(group, flats):
+    for j, flat in zip(group, flats, strict=True):
       x, dim = xs[j], leaves[j].dim
       rest = tuple(np.delete(x.shape, dim))
       piece = full[:, offset:offset + flat.size].reshape((size * x.shape[dim],) + rest)
@@ -487,7 +513,7 @@ class _ShardedStep:
     key = (treedef, tuple(flat), jax.tree.structure(state_sh), tuple(jax.tree.leaves(state_sh)))
     fn = self._cache.get(key)
     if fn is None:
-      param_sh = jax.tree.map(lambda l: NamedSharding(self.mesh, l.param_spec), layouts, is_leaf=_is_leaf)
+      param_sh = jax.tree.map(lambda lay: NamedSharding(self.mesh, lay.param_spec), layouts, is_leaf=_is_leaf)
       fn = jax.jit(functools.partial(self._step, layouts, state_sh),
                    donate_argnums=(0, 1) if self.donate else (),
                    out_shardings=(param_sh, state_sh, None))
@@ -514,8 +540,8 @@ class _ShardedStep:
             f"data axes {plan.batch_axes} times num_microbatches={self.k}")
     manual = set(plan.batch_axes)
     batch_axes = plan.batch_axes[0] if len(plan.batch_axes) == 1 else plan.batch_axes
-    param_in = jax.tree.map(lambda l: _manual_spec(l.param_spec, manual), layouts, is_leaf=_is_leaf)
-    grad_out = jax.tree.map(lambda l: _manual_spec(l.opt_spec, manual), layouts, is_leaf=_is_leaf)
+    param_in = jax.tree.map(lambda lay: _manual_spec(lay.param_spec, manual), layouts, is_leaf=_is_leaf)
+    grad_out = jax.tree.map(lambda lay: _manual_spec(lay.opt_spec, manual), layouts, is_leaf=_is_leaf)
     key_spec = None if key is None else PartitionSpec()
     grads_body = functools.partial(self._grads, layouts)
     grads, metrics = jax.shard_map(
@@ -526,7 +552,7 @@ class _ShardedStep:
     total = metrics.pop("weight")
     ok = jnp.isfinite(total) & (total > 0)
     # The optimizer on the globally shaped, data-sharded gradient, state and parameter slice.
-    piece = jax.tree.map(lambda x, l: _place(x, mesh, l.opt_spec), params, layouts)
+    piece = jax.tree.map(lambda x, lay: _place(x, mesh, lay.opt_spec), params, layouts)
     updates, new_state = self.optimizer.update(grads, opt_state, piece)
     new_piece = optax.apply_updates(piece, updates)
     # Where the step has no weight, nothing moves (inside jit nothing can raise).
@@ -536,7 +562,7 @@ class _ShardedStep:
     if plan.shard_axis is not None and not plan.params_sharded:
       new_params = self._gather_params(layouts, new_piece)
     else:
-      new_params = jax.tree.map(lambda x, l: _place(x, mesh, l.param_spec), new_piece, layouts)
+      new_params = jax.tree.map(lambda x, lay: _place(x, mesh, lay.param_spec), new_piece, layouts)
     return new_params, new_state, metrics
 
   def _gather_params(self, layouts, pieces):
@@ -547,17 +573,17 @@ class _ShardedStep:
     axis, size = plan.shard_axis, mesh.shape[plan.shard_axis]
 
     def body(*xs):
-      idx = [j for j, l in enumerate(flat_l) if l.dim is not None]
+      idx = [j for j, lay in enumerate(flat_l) if lay.dim is not None]
       full = _all_gather([xs[j] for j in idx], [flat_l[j] for j in idx], axis, size, to="invarying")
       out = list(xs)
-      for j, f in zip(idx, full):
+      for j, f in zip(idx, full, strict=True):
         out[j] = f
       return tuple(out)
 
     out = jax.shard_map(
         body, mesh=mesh, axis_names=manual,
-        in_specs=tuple(_manual_spec(l.opt_spec, manual) for l in flat_l),
-        out_specs=tuple(_manual_spec(l.param_spec, manual) for l in flat_l))(*jax.tree.leaves(pieces))
+        in_specs=tuple(_manual_spec(lay.opt_spec, manual) for lay in flat_l),
+        out_specs=tuple(_manual_spec(lay.param_spec, manual) for lay in flat_l))(*jax.tree.leaves(pieces))
     return jax.tree.unflatten(treedef, out)
 
   def _grads(self, layouts, params, batch, key):
@@ -565,7 +591,7 @@ class _ShardedStep:
     plan, k = self.plan, self.k
     axes = plan.batch_axes
     flat_l, treedef = jax.tree.flatten(layouts, is_leaf=_is_leaf)
-    sharded_idx = [j for j, l in enumerate(flat_l) if l.dim is not None]
+    sharded_idx = [j for j, lay in enumerate(flat_l) if lay.dim is not None]
     axis = plan.shard_axis
     size = self.mesh.shape[axis] if axis is not None else 1
     wire = self.comm_dtype
@@ -576,7 +602,7 @@ class _ShardedStep:
         return p
       full = _all_gather([xs[j] for j in sharded_idx], [flat_l[j] for j in sharded_idx], axis, size, to="varying")
       xs = list(xs)
-      for j, f in zip(sharded_idx, full):
+      for j, f in zip(sharded_idx, full, strict=True):
         xs[j] = f
       return jax.tree.unflatten(treedef, xs)
 
@@ -586,7 +612,7 @@ class _ShardedStep:
       if axis is None or not sharded_idx:
         return xs
       blocks = _reduce_scatter([xs[j] for j in sharded_idx], [flat_l[j] for j in sharded_idx], axis, size, wire)
-      for j, b in zip(sharded_idx, blocks):
+      for j, b in zip(sharded_idx, blocks, strict=True):
         xs[j] = b
       return xs
 
@@ -633,12 +659,13 @@ class _ShardedStep:
         return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), views)
 
       shapes = jax.eval_shape(lambda: one(take(0), 0))
-      zeros = jax.tree.map(lambda s: _vary(jnp.zeros(s.shape, s.dtype), axes), shapes)
+      # With Explicit axes the zeros carry the gradients' sharding type (e.g. over "model").
+      zeros = jax.tree.map(lambda s: _vary(jnp.zeros(s.shape, s.dtype, out_sharding=_typed(s)), axes), shapes)
 
       def body(carry, i):
         g, w, v = one(take(i), i)
         acc, wsum, vsum = carry
-        acc = [a + b for a, b in zip(acc, g)]
+        acc = [a + b for a, b in zip(acc, g, strict=True)]
         wsum = wsum + w.astype(wsum.dtype)
         vsum = jax.tree.map(jnp.add, vsum, v)
         return (acc, wsum, vsum), None
@@ -660,12 +687,12 @@ class _ShardedStep:
       small = lax.psum(small, axis)
       sent = [b.astype(wire) if wire is not None else b for b in blocks]
       small, sent = lax.psum((small, sent), plan.replica_axis)
-      blocks = [s.astype(b.dtype) for s, b in zip(sent, blocks)]
+      blocks = [s.astype(b.dtype) for s, b in zip(sent, blocks, strict=True)]
     small_leaves, total, vtotal = small
     out = list(acc)
-    for j, x in zip(small_idx, small_leaves):
+    for j, x in zip(small_idx, small_leaves, strict=True):
       out[j] = x
-    for j, b in zip(sharded_idx if axis is not None else [], blocks):
+    for j, b in zip(sharded_idx if axis is not None else [], blocks, strict=True):
       out[j] = b
     grads = jax.tree.unflatten(treedef, [(x / total.astype(x.dtype)) for x in out])
     value = jax.tree.map(lambda v: v / total.astype(v.dtype), vtotal)

@@ -1,0 +1,258 @@
+"""Sharded training (ddp, zero1, fsdp, hsdp): exactness against a plain full-batch step, layouts, HLO."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import mlp_init, mse_loss, regression_data
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxaccum import _hlo, sharded
+
+SIZES = (3, 32, 16, 2)  # the last bias (2,) divides no axis: the replicated path runs beside the packed one
+STEPS = 3
+ROWS = 128  # divisible by 8 devices times K for every K used here
+
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+    "lamb": lambda: optax.lamb(1e-2),
+    "momentum": lambda: optax.sgd(1e-1, momentum=0.9),
+    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
+}
+
+
+def data_mesh(kind=AxisType.Auto):
+  return jax.make_mesh((8,), ("data",), axis_types=(kind,))
+
+
+def hsdp_mesh(kind=AxisType.Auto):
+  return jax.make_mesh((2, 4), ("rep", "shard"), axis_types=(kind, kind))
+
+
+_full_grad = jax.jit(jax.value_and_grad(mse_loss))
+
+
+def reference(opt, params, batch):
+  """The single-device full-batch step, written plainly with jax and optax."""
+  state = opt.init(params)
+  losses = []
+  for _ in range(STEPS):
+    loss, grads = _full_grad(params, batch)
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    losses.append(loss)
+  return params, jnp.stack(losses)
+
+
+def run(strategy, opt, k, mesh, axes, params=None, **options):
+  """STEPS sharded steps; returns (params, opt_state, losses, compiled HLO text)."""
+  params = mlp_init(jax.random.PRNGKey(0), SIZES) if params is None else params
+  batch = regression_data(jax.random.PRNGKey(1), ROWS)
+  p, s = sharded.shard_train_state(params, opt, mesh, strategy=strategy, data_axis=axes)
+  step = sharded.make_sharded_train_step(
+      mse_loss, opt, strategy=strategy, mesh=mesh, data_axis=axes, num_microbatches=k, **options)
+  placed = jax.device_put(batch, NamedSharding(mesh, P(axes)))
+  compiled = step.lower(p, s, placed).compile()
+  losses = []
+  for _ in range(STEPS):
+    p, s, metrics = compiled(p, s, placed, None)
+    losses.append(metrics["loss"])
+  return p, s, jnp.stack(losses), compiled.as_text()
+
+
+def assert_exact(opt, got_params, got_losses, params=None):
+  params = mlp_init(jax.random.PRNGKey(0), SIZES) if params is None else params
+  want, want_losses = reference(opt, params, regression_data(jax.random.PRNGKey(1), ROWS))
+  chex.assert_trees_all_close(jax.device_get(got_params), want, rtol=1e-12, atol=1e-15)
+  np.testing.assert_allclose(got_losses, want_losses, rtol=1e-12)
+
+
+def nbytes(tree):
+  return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def device_bytes(tree, device):
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
+
+
+def by_opcode(hlo, opcode):
+  return [c for c in _hlo.collectives(hlo, num_devices=8) if c.opcode == opcode]
+
+
+def params_bytes():
+  return nbytes(mlp_init(jax.random.PRNGKey(0), SIZES))
+
+
+# --------------------------------------------------------------------------- zero1
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_zero1_equals_full_batch_and_communicates_one_all_reduce_worth(name):
+  opt = OPTIMIZERS[name]()
+  p, s, losses, hlo = run("zero1", opt, 4, data_mesh(), "data")
+  assert_exact(opt, p, losses)
+  for x in jax.tree.leaves(p):
+    assert x.sharding.is_fully_replicated
+  # Local accumulation: nothing in the loop; one packed reduce-scatter and one all-gather per step.
+  found = _hlo.collectives(hlo, num_devices=8)
+  assert [c for c in found if c.where != "top"] == []
+  assert len(by_opcode(hlo, "reduce-scatter")) == 1
+  assert len(by_opcode(hlo, "all-gather")) == 1
+  # Bytes one device sends (ring): the reduce-scatter and the all-gather together are one
+  # all-reduce of the parameters, 2 (P-1)/P N; scalars (weight, loss, global norms) aside.
+  ideal = 2 * 7 / 8 * params_bytes()
+  scalars = 2 * 7 / 8 * 8 * 32  # up to 32 float64 scalars: lamb has 2 norms per leaf
+  assert sum(c.ring_bytes for c in found) <= ideal + scalars
+  assert sum(c.operand_bytes for c in found) <= ideal + scalars
+
+
+def test_zero1_k1_sends_comm_dtype():
+  opt = optax.adam(1e-2)
+  p, _, losses, hlo = run("zero1", opt, 1, data_mesh(), "data", comm_dtype=jnp.float32)
+  (rs,) = by_opcode(hlo, "reduce-scatter")
+  assert rs.where == "top"
+  packed = params_bytes() - 2 * 8  # all but the replicated (2,) bias, in float64
+  assert rs.operand_bytes == packed // 2  # float32 on the wire
+  # Accumulation stays float64; only the wire rounds to float32.
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  want, _ = reference(opt, params, regression_data(jax.random.PRNGKey(1), ROWS))
+  chex.assert_trees_all_close(jax.device_get(p), want, rtol=1e-5, atol=1e-7)
+  assert jax.tree.leaves(p)[0].dtype == jnp.float64
+
+
+# --------------------------------------------------------------------------- fsdp
+
+
+@pytest.mark.parametrize("k, gather, name", [(1, "per_microbatch", "adam"), (4, "per_microbatch", "lamb"),
+                                             (4, "once", "clip_adam")])
+def test_fsdp_equals_full_batch_and_gathers_as_asked(k, gather, name):
+  opt = OPTIMIZERS[name]()
+  p, s, losses, hlo = run("fsdp", opt, k, data_mesh(), "data", fsdp_gather=gather)
+  assert_exact(opt, p, losses)
+  assert p[1]["w"].sharding.spec == P("data")  # (32, 16): its largest dimension
+  assert p[0]["w"].sharding.spec == P(None, "data")  # (3, 32)
+  gathers, scatters = by_opcode(hlo, "all-gather"), by_opcode(hlo, "reduce-scatter")
+  assert len(gathers) == len(scatters) == 1
+  # Memory-lean with a loop: gather and reduce-scatter once per microbatch (K times);
+  # comm-lean (or K = 1): once per step.
+  expect = "loop" if (gather == "per_microbatch" and k > 1) else "top"
+  assert gathers[0].where == scatters[0].where == expect
+  assert all(c.where == "top" for c in by_opcode(hlo, "all-reduce"))
+
+
+# --------------------------------------------------------------------------- hsdp and ddp
+
+
+@pytest.mark.parametrize("k, name", [(1, "adam"), (8, "momentum")])
+def test_hsdp_equals_full_batch_with_one_cross_replica_all_reduce(k, name):
+  opt = OPTIMIZERS[name]()
+  mesh = hsdp_mesh()
+  p, s, losses, hlo = run("hsdp", opt, k, mesh, ("rep", "shard"))
+  assert_exact(opt, p, losses)
+  assert p[1]["w"].sharding.spec == P("shard")
+  replica_groups = _hlo.mesh_groups((2, 4), ("rep", "shard"), "rep")
+  cross = [c for c in _hlo.collectives(hlo, num_devices=8) if c.groups == replica_groups]
+  assert [(c.opcode, c.where) for c in cross] == [("all-reduce", "top")]
+  # It carries the gradient (all of it: 1/4 of the parameters sharded, plus the replicated bias).
+  assert cross[0].operand_bytes >= (params_bytes() - 16) / 4
+  assert all(c.where == "top" for c in by_opcode(hlo, "all-reduce"))
+
+
+def test_ddp_equals_full_batch_with_no_collective_in_the_loop():
+  opt = OPTIMIZERS["adamw"]()
+  p, s, losses, hlo = run("ddp", opt, 4, data_mesh(), "data")
+  assert_exact(opt, p, losses)
+  found = _hlo.collectives(hlo, num_devices=8)
+  assert [(c.opcode, c.where) for c in found] == [("all-reduce", "top")]
+  assert found[0].operand_bytes >= params_bytes()
+
+
+# --------------------------------------------------------------------------- meshes
+
+
+@pytest.mark.parametrize("strategy, name", [("zero1", "lamb"), ("fsdp", "clip_adam")])
+def test_explicit_mesh_axes(strategy, name):
+  mesh = jax.make_mesh((8,), ("data",))  # jax's default axis type
+  assert mesh.axis_types == (AxisType.Explicit,)
+  opt = OPTIMIZERS[name]()
+  p, s, losses, hlo = run(strategy, opt, 4, mesh, "data")
+  assert_exact(opt, p, losses)
+  assert len(by_opcode(hlo, "reduce-scatter")) == 1
+
+
+@pytest.mark.parametrize("strategy, kind", [("zero1", AxisType.Auto), ("fsdp", AxisType.Explicit)])
+def test_data_model_mesh_keeps_model_sharding(strategy, kind):
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind, kind))
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  # Tensor parallel on the middle layer: its columns over "model".
+  params[1]["w"] = jax.device_put(params[1]["w"], NamedSharding(mesh, P(None, "model")))
+  opt = OPTIMIZERS["adam"]()
+  p, s, losses, _ = run(strategy, opt, 4, mesh, "data", params=params)
+  assert_exact(opt, p, losses, params=mlp_init(jax.random.PRNGKey(0), SIZES))
+  want = P(None, "model") if strategy == "zero1" else P("data", "model")
+  assert p[1]["w"].sharding.spec == want
+  assert s[0].mu[1]["w"].sharding.spec == P("data", "model")
+
+
+# --------------------------------------------------------------------------- layouts and memory
+
+
+@pytest.mark.parametrize("strategy, axes, shard", [
+    ("zero1", "data", 8), ("fsdp", "data", 8), ("hsdp", ("rep", "shard"), 4), ("ddp", "data", 1)])
+def test_shard_train_state_per_device_bytes(strategy, axes, shard):
+  mesh = hsdp_mesh() if strategy == "hsdp" else data_mesh()
+  params = mlp_init(jax.random.PRNGKey(0), (3, 32, 16, 8))  # every leaf divisible by 8
+  opt = optax.adam(1e-2)
+  p, s = sharded.shard_train_state(params, opt, mesh, strategy=strategy, data_axis=axes)
+  chex.assert_trees_all_equal(jax.device_get(p), params)
+  chex.assert_trees_all_equal(jax.device_get(s), opt.init(params))
+  for device in mesh.devices.flat:
+    assert device_bytes(s, device) <= 1.02 / shard * nbytes(s)
+    if strategy in ("zero1", "ddp"):
+      assert device_bytes(p, device) == nbytes(p)
+    else:
+      assert device_bytes(p, device) <= 1.02 / shard * nbytes(p)
+  # Fresh buffers: a donating step cannot delete the caller's arrays.
+  p2, _ = sharded.shard_train_state(p, opt, mesh, strategy=strategy, data_axis=axes)
+  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(p2), strict=True):
+    assert {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}.isdisjoint(
+        s.data.unsafe_buffer_pointer() for s in b.addressable_shards)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_names_the_value():
+  mesh, opt = data_mesh(), optax.adam(1e-2)
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  with pytest.raises(ValueError, match="strategy='zero3'"):
+    sharded.shard_train_state(params, opt, mesh, strategy="zero3")
+  with pytest.raises(ValueError, match="strategy='zero3'"):
+    sharded.make_sharded_train_step(mse_loss, opt, strategy="zero3", mesh=mesh)
+  with pytest.raises(ValueError, match=r"hsdp.*data_axis='data'"):
+    sharded.shard_train_state(params, opt, mesh, strategy="hsdp", data_axis="data")
+  with pytest.raises(ValueError, match=r"hsdp.*\('rep', 'rep'\)"):
+    sharded.make_sharded_train_step(mse_loss, opt, strategy="hsdp", mesh=hsdp_mesh(), data_axis=("rep", "rep"))
+  with pytest.raises(ValueError, match="'batch'.*not an axis of the mesh"):
+    sharded.shard_train_state(params, opt, mesh, strategy="fsdp", data_axis="batch")
+  with pytest.raises(ValueError, match="fsdp_gather='always'"):
+    sharded.make_sharded_train_step(mse_loss, opt, strategy="fsdp", mesh=mesh, fsdp_gather="always")
+  # zero1 keeps parameters replicated over the data axis: a data-sharded parameter conflicts.
+  bad = list(params)
+  bad[1] = dict(bad[1], w=jax.device_put(bad[1]["w"], NamedSharding(mesh, P("data"))))
+  with pytest.raises(ValueError, match=r"params\[1\]\['w'\].*P\('data',?\).*strategy='zero1'"):
+    sharded.shard_train_state(bad, opt, mesh, strategy="zero1")
+  # fsdp shards (3, 32) on its dimension 1; the user's dimension-0 split conflicts.
+  bad = list(params)
+  bad[1] = dict(bad[1], w=jax.device_put(bad[1]["w"], NamedSharding(mesh, P(None, "data"))))
+  with pytest.raises(ValueError, match=r"params\[1\]\['w'\].*conflicts with strategy='fsdp'.*expects P\('data',?\)"):
+    sharded.shard_train_state(bad, opt, mesh, strategy="fsdp")
+  # A step given parameters laid out for another strategy.
+  p, s = sharded.shard_train_state(params, opt, mesh, strategy="zero1")
+  step = sharded.make_sharded_train_step(mse_loss, opt, strategy="fsdp", mesh=mesh)
+  with pytest.raises(ValueError, match=r"params\[0\]\['b'\] has sharding spec P\(\).*strategy='fsdp'"):
+    step.lower(p, s, regression_data(jax.random.PRNGKey(1), ROWS))
