@@ -473,8 +473,8 @@ class AccumulatingOptimizer(nnx.Optimizer):
         mean = _window_mean(stats_sum, stats_weight, start, None)
         stats = jax.tree.map(lambda m, s: jnp.where(window_end, m, s), mean, start)
       else:  # the all-reduce only in the window-end branch
-        stats = parallel.cond(window_end, lambda ops: _window_mean(*ops, self.axis_name), lambda ops: ops[2],
-                              (stats_sum, stats_weight, start))
+        stats = parallel.cond(window_end, lambda ops: _window_mean(ops[0], ops[1], ops[2], self.axis_name),
+                              lambda ops: ops[2], (stats_sum, stats_weight, start))
 
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))
@@ -485,5 +485,6 @@ class AccumulatingOptimizer(nnx.Optimizer):
       nnx.update(model, stats)
       nnx.update(self.stats_start, _distinct(stats))
       nnx.update(self.stats_sum, stats_sum)
+      assert self.stats_weight is not None  # set with stats_start in __init__
       self.stats_weight[...] = stats_weight
     return jax.tree.map(jnp.subtract, new_params, param_arrays)
