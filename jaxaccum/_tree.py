@@ -149,3 +149,21 @@ def describe(tree, depth: int = 2) -> str:
 def leaf_paths(tree) -> list[str]:
   """The key paths of the leaves of `tree`, as `jax.tree_util.keystr` writes them (`['w']`, `[0]['b']`)."""
   return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def zeros_like_sharded(x, dtype=None):
+  """Zeros of `x`'s shape, carrying `x`'s sharding but not its varying manual axes.
+
+  `jnp.zeros(shape)` drops the sharding (a full copy on one device, and a type
+  that differs from `x`'s under Explicit mesh axes); `jnp.zeros_like` keeps it,
+  but inside `jax.shard_map` it also keeps `x`'s varying axes, making zeros that
+  should be the same on every device (a micro-step's zero updates) varying.
+  """
+  dtype = dtype_of(x) if dtype is None else jnp.dtype(dtype)
+  if not isinstance(x, jax.core.Tracer):
+    return jnp.zeros_like(x, dtype=dtype)  # a concrete array: its committed sharding
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is not None and any(axis is not None for axis in spec):
+    return jnp.zeros(jnp.shape(x), dtype, out_sharding=spec)
+  return jnp.zeros(jnp.shape(x), dtype)

@@ -140,6 +140,29 @@ def accumulate(
   microbatch as its weight and the window's update equals the large-batch
   update exactly, whatever the microbatch sizes.
 
+  Weights, also inside jit where nothing can raise (an invalid value never
+  reaches the parameters):
+
+  * w_i = 0: a normal microbatch that adds exactly nothing, even when its
+    gradient is NaN or Inf (all padding: 0/0). It is selected out, never
+    multiplied by 0, and not counted as skipped.
+  * w_i NaN, +-Inf or < 0: invalid. A concrete one raises a ValueError; a
+    traced one drops its microbatch (nothing added) and counts it in
+    `num_skipped`, with or without `skip_nonfinite`.
+  * A window whose total accepted weight is 0 (under `axis_name`: the total
+    over devices, after the all-reduce) applies nothing: zero updates (or the
+    parameters unchanged on the fused path), `inner`'s state untouched,
+    `update_count` not advanced, `has_updated` False; it is counted in
+    `num_empty_windows`.
+
+  With `every_k=1` the result is `inner` itself, bit for bit, in every dtype
+  mix (the one-microbatch mean is the gradient as given). Updates come back in
+  the dtypes `inner` gives them, zero updates included. The accumulator and the
+  zero updates carry each parameter's sharding (Auto and Explicit mesh axes;
+  eager, and inside jit where the sharding is known). Inside a plain
+  `jax.jit(tx.init)` on Auto axes the sharding is unknown and XLA replicates
+  the state: pass `out_shardings`, or call `init` eagerly on sharded params.
+
   Args:
     inner: the optimizer applied to each window's mean gradient.
     every_k: the window length, an int >= 1, or a schedule `f(update_count) ->
@@ -162,18 +185,22 @@ def accumulate(
       each gradient's dtype (bf16 -> float32, float64 stays float64).
     comm_dtype: dtype on the wire for the window-end all-reduce (e.g.
       `jnp.bfloat16`); accumulation stays in `accumulator_dtype`.
-    skip_nonfinite: drop a microbatch whose gradient holds a NaN or Inf (its
-      weight is not counted; `num_skipped` counts it). A window with no finite
-      microbatch emits zero updates and leaves `inner`'s state untouched.
+    skip_nonfinite: drop a microbatch of weight > 0 whose gradient holds a NaN
+      or Inf (its weight is not counted; `num_skipped` counts it). A window
+      with nothing kept is an empty window (see above). Without it such a
+      microbatch is added as it is: NaN reaches the update (the user's choice).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is an
-    `AccumulateState`. Updates come back in each gradient's dtype.
+    `AccumulateState`. Updates come back in the dtypes `inner` gives them.
 
   Raises:
-    TypeError/ValueError: `every_k` not an integer >= 1 (or a schedule whose
-      value at 0 is not), and, at update time, a grads tree that does not match
-      the state, a concrete weight that is not finite and > 0, or an
+    TypeError/ValueError: `inner` not an optimizer (e.g. the factory
+      `optax.adam` rather than `optax.adam(1e-3)`), `every_k` not an integer
+      >= 1 (or a schedule whose value at 0 is not), and, at update time, a
+      grads tree that does not match the state (the leaves that differ are
+      named), a state made by another optimizer's init, a weight that is not a
+      real number, a concrete weight that is NaN, Inf or negative, or an
       `axis_name` that is not bound.
   """
   inner = _tree.check_optimizer(inner, "inner")
@@ -315,13 +342,13 @@ def accumulate(
     def idle(acc_grads, params):
       """What a call that applies nothing returns: zero updates, or the parameters as they are.
 
-      zeros_like the accumulator, not zeros(shape): the zeros carry each
-      parameter's sharding, as the window end's updates do (under Explicit mesh
-      axes the two branches of the cond must agree on it).
+      The zeros carry each parameter's sharding, as the window end's updates do
+      (under Explicit mesh axes the two branches of the cond must agree on it),
+      but not the local accumulator's varying axes (see `_tree.zeros_like_sharded`).
       """
       if apply:
         return params
-      return jax.tree.map(lambda a, u: jnp.zeros_like(a, dtype=u.dtype), acc_grads, update_shapes)
+      return jax.tree.map(lambda a, u: _tree.zeros_like_sharded(a, u.dtype), acc_grads, update_shapes)
 
     def emit(operands):
       """The window's end: all-reduce, mean, `inner`. Runs only in the taken branch."""

@@ -498,13 +498,17 @@ def test_data_parallel_unequal_tokens_equals_one_device(style, tmp_path):
   else:
     mesh = ja.data_mesh("data")
     state_spec = jax.tree.map(lambda _: P(), state)
-    state_spec = state_spec._replace(acc_grads=jax.tree.map(lambda _: P("data"), state.acc_grads), acc_weight=P("data"))
+    # The per-device fields (documented): acc_grads, acc_weight and num_skipped (a traced
+    # weight that is invalid on one device is dropped and counted there).
+    state_spec = state_spec._replace(acc_grads=jax.tree.map(lambda _: P("data"), state.acc_grads), acc_weight=P("data"),
+                                     num_skipped=P("data"))
     step = jax.jit(jax.shard_map(
         functools.partial(_squeeze_step, local_step),
         mesh=mesh, in_specs=(P(), state_spec, P("data")), out_specs=(P(), state_spec)))
     # The local accumulator differs per device: give each device its own slot.
     state = state._replace(acc_grads=jax.tree.map(lambda a: jnp.stack([a] * n_dev), state.acc_grads),
-                           acc_weight=jnp.stack([state.acc_weight] * n_dev))
+                           acc_weight=jnp.stack([state.acc_weight] * n_dev),
+                           num_skipped=jnp.stack([state.num_skipped] * n_dev))
     p = params
     for i in range(k):
       p, state = step(p, state, padded(i))
@@ -517,9 +521,11 @@ def test_data_parallel_unequal_tokens_equals_one_device(style, tmp_path):
 def _squeeze_step(local_step, p, s, batch):
   """Inside shard_map: drop the per-device leading axis of the batch and of the local accumulator."""
   batch = jax.tree.map(lambda x: x[0], batch)
-  s = s._replace(acc_grads=jax.tree.map(lambda a: a[0], s.acc_grads), acc_weight=s.acc_weight[0])
+  s = s._replace(acc_grads=jax.tree.map(lambda a: a[0], s.acc_grads), acc_weight=s.acc_weight[0],
+                 num_skipped=s.num_skipped[0])
   p, s = local_step(p, s, batch)
-  return p, s._replace(acc_grads=jax.tree.map(lambda a: a[None], s.acc_grads), acc_weight=s.acc_weight[None])
+  return p, s._replace(acc_grads=jax.tree.map(lambda a: a[None], s.acc_grads), acc_weight=s.acc_weight[None],
+                       num_skipped=s.num_skipped[None])
 
 
 def test_shard_map_recipe_with_skip_nonfinite_and_the_fused_path():
