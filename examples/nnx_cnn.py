@@ -107,12 +107,20 @@ def strided_groups(t, batch):
   return [(jnp.arange(i, n, K), jax.random.fold_in(step_key(t), i)) for i in range(K)]
 
 
+def counted_groups(t, batch):
+  """Microbatch i holds rows i, i+K, ... and uses key fold_in(base_key, microbatches fed before it)."""
+  n = len(batch["label"])
+  return [(jnp.arange(i, n, K), jax.random.fold_in(base_key, t * K + i)) for i in range(K)]
+
+
 def accumulate():
   model = new_model()
   optimizer = ja.flax.AccumulatingOptimizer(model, ja.accumulate(adam, K), wrt=nnx.Param)
 
   @nnx.jit
-  def step(model, optimizer, micro, key):
+  def step(model, optimizer, micro):
+    key = jax.random.fold_in(base_key, optimizer.microbatches_seen[...])  # a new dropout key per microbatch
+
     def loss_fn(model):
       logits = model(micro["image"], key)
       return optax.softmax_cross_entropy_with_integer_labels(logits, micro["label"]).mean()
@@ -120,9 +128,8 @@ def accumulate():
     optimizer.update(model, grads)  # a micro-step puts the window-start statistics back
     return loss
 
-  for t, batch in enumerate(batches):
-    losses = [step(model, optimizer, jax.tree.map(lambda x: x[i::K], batch), jax.random.fold_in(step_key(t), i))
-              for i in range(K)]
+  for batch in batches:
+    losses = [step(model, optimizer, jax.tree.map(lambda x: x[i::K], batch)) for i in range(K)]
   assert int(optimizer.step[...]) == len(batches)
   _, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
   return (params, stats), sum(losses) / K
@@ -143,7 +150,33 @@ def microbatch():
   return (params, stats), loss
 
 
-MODES = {"accumulate": (accumulate, strided_groups), "microbatch": (microbatch, strided_groups)}
+def device_groups(t, batch):
+  """Device p holds the p-th block of rows; its microbatch i rows i, i+K, ... of it, key fold_in(fold_in(., p), i)."""
+  n, p_count = len(batch["label"]), jax.device_count()
+  block = n // p_count
+  return [(p * block + jnp.arange(i, block, K), jax.random.fold_in(jax.random.fold_in(step_key(t), p), i))
+          for p in range(p_count) for i in range(K)]
+
+
+def data_parallel():
+  # make_train_step trains its first argument and averages aux: the statistics ride along in the
+  # first argument with a zero gradient and a frozen optimizer, and come back averaged as aux.
+  def loss_fn(variables, batch, key):
+    return pure_loss(variables["params"], batch, key, jax.lax.stop_gradient(variables["stats"]))
+
+  tx = optax.multi_transform({"train": adam, "frozen": optax.set_to_zero()}, {"params": "train", "stats": "frozen"})
+  mesh = ja.data_mesh()
+  step = ja.make_train_step(loss_fn, tx, num_microbatches=K, mesh=mesh, has_aux=True)
+  variables = {"params": params0, "stats": stats0}
+  variables, opt_state = ja.replicate((variables, tx.init(variables)), mesh)
+  for t, batch in enumerate(batches):
+    variables, opt_state, metrics = step(variables, opt_state, ja.shard_batch(batch, mesh), step_key(t))
+    variables = {"params": variables["params"], "stats": metrics["aux"]}  # the mean over all P K microbatches
+  return (variables["params"], variables["stats"]), metrics["loss"]
+
+
+MODES = {"accumulate": (accumulate, counted_groups), "microbatch": (microbatch, strided_groups),
+         "data-parallel": (data_parallel, device_groups)}
 
 common.header("nnx CNN (BatchNorm, Dropout)", args, jax)
 for mode in args.modes:

@@ -210,5 +210,5 @@ for mode in args.modes:
 for sort_by_length, label in [(False, "loaded order"), (True, "sorted by length")]:
   errors = gradient_errors(sort_by_length)
   print(f"gradient after K={K} microbatches vs the full batch ({label}): optax.MultiSteps (mean of means) "
-        f"{100 * errors['optax.MultiSteps']:.1f}% off, ja.accumulate (token-weighted) "
+        f"{100 * errors['optax.MultiSteps']:.2f}% off, ja.accumulate (token-weighted) "
         f"{errors['ja.accumulate']:.1e}", flush=True)

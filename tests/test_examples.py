@@ -1,0 +1,73 @@
+"""Every example in examples/, every mode, briefly in float64: each must equal its own full-batch run.
+
+Each example runs as a subprocess (as a user runs it) with `--mode all`, so one
+process imports jax once and compiles the full-batch reference once for its
+three modes. The examples the session selected are all started by the first
+test and run side by side (the compiles dominate; two cores halve the wall time).
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = ["--mode", "all", "--x64", "--steps", "2", "--batch-size", "32", "--k", "2"]  # 8 devices x K=2 x 2 rows
+EXAMPLES = {
+    "linen_cnn": TINY,
+    "nnx_cnn": TINY,
+    "equinox_cnn": TINY,
+    "padded_lm": TINY + ["--seq-len", "16", "--width", "16"],
+}
+MODES = ("accumulate", "microbatch", "data-parallel")
+TIMEOUT_S = 420
+_RUNS: dict[str, subprocess.Popen] = {}
+
+
+def _start(name: str) -> None:
+  env = dict(os.environ, JAX_PLATFORMS="cpu")  # XLA_FLAGS from conftest (the collective timeout) pass on
+  _RUNS[name] = subprocess.Popen(
+      [sys.executable, str(ROOT / "examples" / f"{name}.py"), *EXAMPLES[name]],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _output(name: str, request) -> str:
+  if not _RUNS:
+    selected = [item.callspec.params["example"] for item in request.session.items
+                if getattr(item, "callspec", None) and "example" in item.callspec.params
+                and item.module is request.module]
+    for other in dict.fromkeys(selected):
+      _start(other)
+  if name not in _RUNS:
+    _start(name)
+  proc = _RUNS[name]
+  try:
+    out, _ = proc.communicate(timeout=TIMEOUT_S)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    out, _ = proc.communicate()
+    pytest.fail(f"examples/{name}.py ran over {TIMEOUT_S} s; its output:\n{out}")
+  assert proc.returncode == 0, f"examples/{name}.py exited with {proc.returncode}:\n{out}"
+  return out
+
+
+@pytest.mark.parametrize("example", list(EXAMPLES))
+def test_example_equals_its_full_batch_run_in_every_mode(example, request):
+  out = _output(example, request)
+  diffs = {m: float(d) for m, d in re.findall(r"^(\S+)\s+max relative difference from [^:]*: (\S+)", out, re.M)}
+  assert set(diffs) == set(MODES), f"expected one line per mode {MODES}, got:\n{out}"
+  for mode, diff in diffs.items():
+    assert diff < 1e-10, f"{example} {mode}: relative difference {diff} from the full batch:\n{out}"
+
+
+def test_padded_lm_shows_multisteps_mean_of_means_off_and_token_weights_exact(request):
+  out = _output("padded_lm", request)
+  lines = re.findall(r"\((loaded order|sorted by length)\): optax.MultiSteps \(mean of means\) (\S+)% off, "
+                     r"ja.accumulate \(token-weighted\) (\S+)", out)
+  assert [label for label, _, _ in lines] == ["loaded order", "sorted by length"], out
+  for label, multisteps_percent, weighted in lines:
+    assert float(multisteps_percent) > 0.01, f"{label}: MultiSteps should be measurably off:\n{out}"
+    assert float(weighted) < 1e-10, f"{label}: token-weighted accumulation should be exact:\n{out}"
