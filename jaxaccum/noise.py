@@ -92,6 +92,11 @@ class NoiseScaleState(NamedTuple):
   norm: jax.Array  # 1 - beta^windows: what the raw averages are divided by.
   grad_sq: jax.Array  # raw EMA of the per-window |G|^2 estimates.
   trace_cov: jax.Array  # raw EMA of the per-window tr(Sigma) estimates.
+  # Inside `ja.accumulate`: sum_i b_i |g_i|^2 and the number of microbatches with
+  # b_i > 0 of the current window, on this device (under pmap/shard_map these two
+  # are per device, like acc_weight), reset lazily like acc_weight.
+  acc_sq: jax.Array
+  acc_count: jax.Array  # int32 scalar.
 
 
 def check_decay(decay, name: str = "noise_scale_ema") -> float:
@@ -106,8 +111,8 @@ def check_decay(decay, name: str = "noise_scale_ema") -> float:
 
 def init_state(dtype: Any = jnp.float32) -> NoiseScaleState:
   """Empty running averages in `dtype` (no window measured yet)."""
-  zero = jnp.zeros([], dtype)
-  return NoiseScaleState(windows=jnp.zeros([], jnp.int32), norm=zero, grad_sq=zero, trace_cov=zero)
+  zero, none = jnp.zeros([], dtype), jnp.zeros([], jnp.int32)
+  return NoiseScaleState(windows=none, norm=zero, grad_sq=zero, trace_cov=zero, acc_sq=zero, acc_count=none)
 
 
 def sq_norm(tree, dtype: Any) -> jax.Array:
@@ -155,7 +160,7 @@ def update_state(state: NoiseScaleState, grad_sq, trace_cov, valid, decay: float
   def ema(old, new):
     return jnp.where(valid, beta * old + one_minus * new.astype(dtype), old)
 
-  return NoiseScaleState(
+  return state._replace(
       windows=state.windows + valid.astype(jnp.int32),
       norm=ema(state.norm, jnp.ones([], dtype)),
       grad_sq=ema(state.grad_sq, grad_sq),
