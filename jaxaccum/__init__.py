@@ -16,6 +16,7 @@ from jaxaccum.parallel import psum
 from jaxaccum.parallel import replicate
 from jaxaccum.parallel import shard_batch
 from jaxaccum.planner import plan_microbatches
+from jaxaccum.sharded import shard_train_state
 from jaxaccum.train_step import make_train_step
 from jaxaccum import schedules
 from jaxaccum import flax
@@ -23,7 +24,7 @@ from jaxaccum import checkpoint
 
 __all__ = [
     "AccumulateState", "accumulate", "has_updated",
-    "microbatch", "make_train_step", "plan_microbatches",
+    "microbatch", "make_train_step", "plan_microbatches", "shard_train_state",
     "pmean", "psum", "data_mesh", "shard_batch", "replicate",
     "local_sgd", "diloco", "stale",
     "schedules", "flax", "checkpoint",

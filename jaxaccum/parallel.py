@@ -239,18 +239,34 @@ def _check_mesh_axis(mesh, axis_name):
     raise ValueError(f"{axis_name=} is not an axis of the mesh (its axes: {mesh.axis_names})")
 
 
-def shard_batch(batch, mesh: Mesh, axis_name: str = "data"):
+def shard_batch(batch, mesh: Mesh, axis_name: str | tuple[str, ...] = "data"):
   """Puts this process's rows of `batch` on its devices of `mesh`, split along `axis_name`.
 
   Each process passes only its own rows (as with
   `jax.make_array_from_process_local_data`); the result is one global array per
   leaf whose leading size is the sum over processes. On one process this is
   simply the batch split over the devices.
+
+  Args:
+    batch: a pytree of arrays with a leading batch axis.
+    mesh: the mesh, e.g. `ja.data_mesh()` or `jax.make_mesh(...)`.
+    axis_name: the mesh axis the rows are split over, or a tuple of axes (e.g.
+      `("replica", "shard")` for `strategy="hsdp"`): rows are split over their
+      product, the first axis major.
   """
-  _check_mesh_axis(mesh, axis_name)
+  if isinstance(axis_name, tuple):
+    validate_axis_name(axis_name)
+    for name in axis_name:
+      _check_mesh_axis(mesh, name)
+    if len(set(axis_name)) != len(axis_name):
+      raise ValueError(f"{axis_name=} names an axis twice")
+  else:
+    _check_mesh_axis(mesh, axis_name)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   sharding = NamedSharding(mesh, PartitionSpec(axis_name))
   local_devices = len(mesh.local_devices)
-  local_share = local_devices * mesh.shape[axis_name] // mesh.devices.size
+  shards = int(np.prod([mesh.shape[n] for n in names]))
+  local_share = local_devices * shards // mesh.devices.size
 
   def put(path, x):
     x = np.asarray(x) if not isinstance(x, jax.Array) else x

@@ -157,3 +157,20 @@ def test_cond_leaves_typed_prng_keys_alone_and_promotes_numbers():
       True, (key, jnp.ones(2, jnp.bfloat16)))
   assert jax.dtypes.issubdtype(out_key.dtype, jax.dtypes.prng_key) and out_x.dtype == jnp.float32
   np.testing.assert_array_equal(jax.random.key_data(out_key), jax.random.key_data(jax.random.split(key)[0]))
+
+
+def test_shard_batch_takes_a_tuple_of_axes_for_hsdp():
+  mesh = jax.make_mesh((2, 4), ("replica", "shard"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  x = np.arange(16 * 3.0).reshape(16, 3)
+  out = ja.shard_batch({"x": x}, mesh, ("replica", "shard"))["x"]
+  assert out.sharding.spec == P(("replica", "shard"))
+  np.testing.assert_array_equal(np.asarray(out), x)
+  # Rows split over the product of the two axes, the first axis major: 2 rows per device.
+  for shard in out.addressable_shards:
+    assert shard.data.shape == (2, 3)
+  with pytest.raises(ValueError, match=r"axis_name='model' is not an axis"):
+    ja.shard_batch({"x": x}, mesh, ("replica", "model"))
+  with pytest.raises(ValueError, match=r"6 local rows, not divisible by the 8 shards"):
+    ja.shard_batch({"x": x[:6]}, mesh, ("replica", "shard"))
+  with pytest.raises(ValueError, match="names an axis twice"):
+    ja.shard_batch({"x": x}, mesh, ("shard", "shard"))
