@@ -82,8 +82,9 @@ def max_rel_diff(tree, reference) -> float:
   return worst
 
 
-def report(mode: str, diff: float, loss: float, against: str = "the full-batch run") -> None:
-  print(f"{mode:<14} max relative difference from {against}: {diff:.1e}   (last loss {loss:.4f})", flush=True)
+def report(mode: str, diff: float, loss: float, against: str = "the full-batch run", extra: str = "") -> None:
+  print(f"{mode:<14} max relative difference from {against}: {diff:.1e}   (last loss {loss:.4f}{extra})",
+        flush=True)
 
 
 def header(name: str, args, jax) -> None:

@@ -4,7 +4,7 @@
 
   accumulate      ja.flax.AccumulatingOptimizer(model, ja.accumulate(adam, K)): one update per microbatch
   microbatch      the functional API (nnx.split/merge) and ja.microbatch, BatchNorm statistics as aux
-  data-parallel   ja.make_train_step over ja.data_mesh(), the statistics threaded through the step
+  data-parallel   ja.make_train_step(..., has_state=True) over ja.data_mesh(): the statistics as model state
 
 BatchNorm in training mode normalises each microbatch with its own statistics
 (ghost batch norm), so none of the three is the full-batch-normalised step.
@@ -74,7 +74,7 @@ def step_key(t):
 graphdef, params0, stats0 = nnx.split(new_model(), nnx.Param, nnx.BatchStat)
 
 
-def pure_loss(params, batch, key, stats):
+def pure_loss(params, stats, batch, key):
   """(mean cross-entropy, the new BatchNorm statistics) of one training-mode forward pass."""
   model = nnx.merge(graphdef, params, stats, copy=True)
   logits = model(batch["image"], key)
@@ -93,7 +93,7 @@ def reference(groups):
 
   params, stats, opt_state = params0, stats0, adam.init(params0)
   for t, batch in enumerate(batches):
-    outs = [grad_fn(params, jax.tree.map(lambda x: x[rows], batch), key, stats) for rows, key in groups(t, batch)]
+    outs = [grad_fn(params, stats, jax.tree.map(lambda x: x[rows], batch), key) for rows, key in groups(t, batch)]
     mean = lambda *xs: sum(xs) / len(xs)
     (loss, new_stats), grads = jax.tree.map(mean, *outs)
     params, opt_state = apply(params, opt_state, grads)
@@ -136,11 +136,11 @@ def accumulate():
 
 
 def microbatch():
-  grad_fn = ja.microbatch(jax.value_and_grad(pure_loss, has_aux=True), K, key_argnum=2)
+  grad_fn = ja.microbatch(jax.value_and_grad(pure_loss, has_aux=True), K, batch_argnums=2, key_argnum=3)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, opt_state, stats, batch, key):
-    (loss, stats), grads = grad_fn(params, batch, key, stats)  # stats: the mean over microbatches
+    (loss, stats), grads = grad_fn(params, stats, batch, key)  # stats: the mean over microbatches
     updates, opt_state = adam.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, stats, loss
 
@@ -159,20 +159,14 @@ def device_groups(t, batch):
 
 
 def data_parallel():
-  # make_train_step trains its first argument and averages aux: the statistics ride along in the
-  # first argument with a zero gradient and a frozen optimizer, and come back averaged as aux.
-  def loss_fn(variables, batch, key):
-    return pure_loss(variables["params"], batch, key, jax.lax.stop_gradient(variables["stats"]))
-
-  tx = optax.multi_transform({"train": adam, "frozen": optax.set_to_zero()}, {"params": "train", "stats": "frozen"})
+  # has_state: loss_fn(params, state, batch, key) -> (loss, new state); every microbatch sees the state
+  # passed in, and the new states of all P K microbatches come back averaged.
   mesh = ja.data_mesh()
-  step = ja.make_train_step(loss_fn, tx, num_microbatches=K, mesh=mesh, has_aux=True)
-  variables = {"params": params0, "stats": stats0}
-  variables, opt_state = ja.replicate((variables, tx.init(variables)), mesh)
+  step = ja.make_train_step(pure_loss, adam, num_microbatches=K, mesh=mesh, has_state=True)
+  params, stats, opt_state = ja.replicate((params0, stats0, adam.init(params0)), mesh)
   for t, batch in enumerate(batches):
-    variables, opt_state, metrics = step(variables, opt_state, ja.shard_batch(batch, mesh), step_key(t))
-    variables = {"params": variables["params"], "stats": metrics["aux"]}  # the mean over all P K microbatches
-  return (variables["params"], variables["stats"]), metrics["loss"]
+    params, stats, opt_state, metrics = step(params, stats, opt_state, ja.shard_batch(batch, mesh), step_key(t))
+  return (params, stats), metrics["loss"]
 
 
 MODES = {"accumulate": (accumulate, counted_groups), "microbatch": (microbatch, strided_groups),
