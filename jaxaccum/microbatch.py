@@ -15,6 +15,11 @@ as (B/K, K, ...) (a free reshape of a contiguous array) and the loop body takes
 index i on axis 1. So the batch is never copied or transposed, and a batch
 sharded on its leading axis over P devices (B/K divisible by P) keeps every
 microbatch evenly sharded: no all-to-all, no collective-permute.
+
+Outputs that are not means are combined per `reductions`: "sum" (counts),
+"concat" (per-example outputs, back in the batch's row order; a scalar per
+microbatch, such as its gradient norm, becomes a vector of K), "last" (flags,
+counters, non-float state).
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ def microbatch(
     key_argnum: int | None = None,
     axis_name: Any = None,
     accumulator_dtype: Any = None,
+    reductions: Any = None,
     return_total_weight: bool = False,
 ) -> Callable[..., Any]:
   r"""Runs `fun` over `num_microbatches` slices of the batch in a `lax.scan`; returns the weighted mean.
@@ -135,13 +141,37 @@ def microbatch(
   skips the optimizer update). A negative or non-finite weight is an error
   when concrete; traced, it makes the total weight and the outputs NaN.
 
+  Reductions. Not every output is a mean: `reductions` names, per output leaf,
+
+  - `"mean"` (default): the weighted mean above;
+  - `"sum"`: sum_i o_i, unweighted (a count of correct predictions, a summed
+    loss); integer leaves are summed in their own dtype;
+  - `"concat"`: per-example outputs (logits, per-token losses) of shape
+    (B/K, ...) per microbatch, returned as (B, ...) in the batch's original
+    row order although microbatch i holds rows i, i+K, ...: each microbatch
+    writes its rows in place into a (B/K, K, ...) buffer, which a free
+    reshape turns into row order (no stack and transpose). A scalar output
+    gives a vector of K values, one per microbatch, e.g. the per-microbatch
+    gradient norm `optax.global_norm(grads)`;
+  - `"last"`: the last microbatch's value (counters, flags, non-float model
+    state).
+
+  A microbatch of weight 0 adds nothing to a mean or a sum; "concat" and
+  "last" take every microbatch's values as they come. Integer and bool
+  outputs have no exact mean: they need an explicit "sum", "concat" or "last".
+  With `axis_name`, means and sums are reduced over all devices (one
+  all-reduce together), "concat" is gathered over devices in global row order
+  (device p's rows after device p-1's, as `ja.shard_batch` splits them; one
+  all-gather, invariant over the axis under shard_map), and "last" stays the
+  local last microbatch of each device (varying under shard_map: return it with
+  `out_specs=P(axis_name)` or reduce it yourself).
+
   Flax BatchNorm statistics returned as aux are averaged like everything else;
   see `make_train_step` for what that means next to full-batch statistics.
 
   Args:
-    fun: the function to wrap; its outputs must be floating arrays or Python
-      floats (any pytree): each is averaged, so an integer output is a
-      TypeError rather than a truncated mean.
+    fun: the function to wrap; its outputs (any pytree of arrays or Python
+      scalars) are combined over microbatches per `reductions`.
     num_microbatches: K, an int >= 1 dividing the leading size of every batch
       leaf. K = 1 calls `fun` once, with no loop.
     batch_argnums: the positional argument(s) holding the batch (pytrees whose
@@ -159,6 +189,11 @@ def microbatch(
       to="varying")`); gradients already summed by autodiff raise a ValueError.
     accumulator_dtype: a floating dtype for the running sums; default the
       wider of float32 and each output's dtype.
+    reductions: how each output leaf is combined: a tree prefix of `fun`'s
+      outputs whose leaves are "mean", "sum", "concat" or "last" (a single
+      string applies to every leaf), e.g. `(("mean", {"logits": "concat",
+      "correct": "sum"}), "mean")` for `value_and_grad(loss, has_aux=True)`.
+      Default: every leaf "mean".
     return_total_weight: return `(outputs, total_weight)`, the total weight
       sum_i w_i (over all devices with `axis_name`) as a scalar in the
       accumulation dtype: 0 when nothing was averaged.
@@ -187,6 +222,7 @@ def microbatch(
       raise ValueError(f"{accumulator_dtype=} must be a floating dtype (e.g. jnp.float32)")
   if not isinstance(return_total_weight, bool):
     raise TypeError(f"{return_total_weight=} must be a bool")
+  _check_reductions(reductions)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
@@ -230,17 +266,19 @@ def microbatch(
 
     if k == 1:
       out, w = call(batches, 0)
-      _check_float_outputs(out)
-      wdtype = _wdtype(out, accumulator_dtype)
+      leaves, treedef = jax.tree.flatten(out)
+      reds = _leaf_reductions(reductions, out)
+      wdtype = _wdtype(leaves, reds, accumulator_dtype)
       w = w.astype(wdtype)
       if axis_name is None:
-        # The weighted mean of one microbatch is the microbatch (exactly: no w*o/w rounding).
+        # One microbatch is its own mean (exactly: no w*o/w rounding), its own sum and its own last.
         total = _checked_total(w, _weight_ok(w))
-        out = jax.tree.map(lambda o: jnp.where(total == 0, jnp.zeros((), o.dtype),
-                                               jnp.where(jnp.isnan(total), jnp.full((), jnp.nan, o.dtype), o)), out)
+        outs = [_single(o, r, total) for o, r in zip(leaves, reds, strict=True)]
+        out = jax.tree.unflatten(treedef, outs)
         return (out, total) if return_total_weight else out
-      acc = jax.tree.map(lambda o: _weighted(o, w, _tree.accumulator_dtype(o.dtype, accumulator_dtype)), out)
-      out, total = _finish(acc, w, _weight_ok(w), out, axis_name)
+      accs = [_update(_init(jax.typeof(o), r, 1, accumulator_dtype), o, w, 0, r)
+              for o, r in zip(leaves, reds, strict=True)]
+      out, total = _finish(accs, reds, w, _weight_ok(w), out, axis_name)
       return (out, total) if return_total_weight else out
 
     # (B, ...) -> (B/K, K, ...): row r = j*K + i lands at [j, i], so index i on
@@ -256,31 +294,115 @@ def microbatch(
     closed, (out_shape, w_shape) = jax.make_jaxpr(lambda mb: call(mb, 0), return_shape=True)(first)
     _check_depends_on_batch(closed.jaxpr, len(jax.tree.leaves(first)), len(jax.tree.leaves(out_shape)),
                             batch_argnums)
-    _check_float_outputs(out_shape)
-    wdtype = _wdtype(out_shape, accumulator_dtype)
-
-    def zeros(s, dtype):
-      z = jnp.zeros(s.shape, dtype)
-      # Inside shard_map the carry must have the varying-ness of what is added to it.
-      axes = tuple(sorted((parallel._varying_axes(s) or frozenset()) - (parallel._varying_axes(z) or frozenset())))
-      return lax.pcast(z, axes, to="varying") if axes else z
-
-    acc0 = jax.tree.map(lambda s: zeros(s, _tree.accumulator_dtype(s.dtype, accumulator_dtype)), out_shape)
-    wsum0 = zeros(w_shape, wdtype)
-    ok0 = zeros(jax.ShapeDtypeStruct((), jnp.bool_, **_vma_kwargs(w_shape)), jnp.bool_) | True
+    shapes, treedef = jax.tree.flatten(out_shape)
+    reds = _leaf_reductions(reductions, out_shape)
+    wdtype = _wdtype(shapes, reds, accumulator_dtype)
+    acc0 = [_init(s, r, k, accumulator_dtype) for s, r in zip(shapes, reds, strict=True)]
+    wsum0 = _zeros(w_shape, wdtype)
+    ok0 = _zeros(jax.ShapeDtypeStruct((), jnp.bool_, **_vma_kwargs(w_shape)), jnp.bool_) | True
 
     def body(carry, i):
-      acc, wsum, ok = carry
+      accs, wsum, ok = carry
       out, w = call(take(i), i)
       w = w.astype(wsum.dtype)
-      acc = jax.tree.map(lambda a, o: a + _weighted(o, w, a.dtype), acc, out)
-      return (acc, wsum + w, ok & _weight_ok(w)), None
+      accs = [_update(a, o, w, i, r) for a, o, r in zip(accs, treedef.flatten_up_to(out), reds, strict=True)]
+      return (accs, wsum + w, ok & _weight_ok(w)), None
 
-    (acc, wsum, ok), _ = lax.scan(body, (acc0, wsum0, ok0), jnp.arange(k))
-    out, total = _finish(acc, wsum, ok, out_shape, axis_name)
+    (accs, wsum, ok), _ = lax.scan(body, (acc0, wsum0, ok0), jnp.arange(k))
+    out, total = _finish(accs, reds, wsum, ok, out_shape, axis_name)
     return (out, total) if return_total_weight else out
 
   return wrapped
+
+
+REDUCTIONS = ("mean", "sum", "concat", "last")
+
+
+def _check_reductions(reductions) -> None:
+  """Every leaf of `reductions` must name a reduction (checked at construction)."""
+  if reductions is None:
+    return
+  for path, r in jax.tree_util.tree_leaves_with_path(reductions, is_leaf=lambda x: x is None):
+    if not (isinstance(r, str) and r in REDUCTIONS):
+      raise ValueError(
+          f"reductions{jax.tree_util.keystr(path)}={r!r} is not a reduction: use one of "
+          f"{', '.join(repr(n) for n in REDUCTIONS)}")
+
+
+def _leaf_reductions(reductions, outs) -> list[str]:
+  """The reduction of each leaf of `outs`, `reductions` being a tree prefix of `outs`; checks dtypes."""
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(outs)]
+  leaves = jax.tree.leaves(outs)
+  if reductions is None:
+    reds = ["mean"] * len(leaves)
+  else:
+    try:
+      subtrees = jax.tree.structure(reductions).flatten_up_to(outs)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          f"reductions={reductions!r} is not a tree prefix of fun's outputs (structure "
+          f"{jax.tree.structure(outs)}): {e}") from None
+    reds = [r for r, sub in zip(jax.tree.leaves(reductions), subtrees, strict=True)
+            for _ in jax.tree.leaves(sub)]
+  for path, leaf, r in zip(paths, leaves, reds, strict=True):
+    dtype = leaf.dtype
+    floating = jnp.issubdtype(dtype, jnp.inexact)
+    if r == "mean" and not floating:
+      raise TypeError(
+          f"fun's output{path} has dtype {dtype}: its weighted mean (the default reduction, \"mean\") "
+          "would be truncated. Name another reduction for it in reductions= (make_train_step: aux_reductions= "
+          "or state_reductions=): \"sum\" (a count), "
+          "\"last\" (a flag, a counter, non-float state) or \"concat\" (per-example values); or "
+          "return it as a float (e.g. count.astype(jnp.float32))")
+    if r == "sum" and not (floating or (jnp.issubdtype(dtype, jnp.integer))):
+      raise TypeError(
+          f"fun's output{path} has dtype {dtype}, which has no sum: use reductions \"last\" or \"concat\" "
+          "for it, or cast it to an integer or float")
+  return reds
+
+
+def _zeros(s, dtype, shape=None):
+  """Zeros of `shape` (default `s.shape`) with `s`'s varying axes: a scan carry must keep them."""
+  z = jnp.zeros(s.shape if shape is None else shape, dtype)
+  axes = tuple(sorted((parallel._varying_axes(s) or frozenset()) - (parallel._varying_axes(z) or frozenset())))
+  return lax.pcast(z, axes, to="varying") if axes else z
+
+
+def _concat_shape(shape, k) -> tuple[int, ...]:
+  """A per-example leaf (m, ...) is kept as (m, K, ...) (row j of microbatch i at [j, i]); a scalar as (K,)."""
+  return (k,) if not shape else (shape[0], k) + tuple(shape[1:])
+
+
+def _init(s, r, k, override):
+  if r == "mean" or (r == "sum" and jnp.issubdtype(s.dtype, jnp.inexact)):
+    return _zeros(s, _tree.accumulator_dtype(s.dtype, override))
+  if r == "concat":
+    return _zeros(s, s.dtype, _concat_shape(s.shape, k))
+  return _zeros(s, s.dtype)  # "sum" of integers (in their dtype), "last"
+
+
+def _update(acc, o, w, i, r):
+  """The carry after microbatch i of weight w contributed output o."""
+  if r == "mean":
+    return acc + _weighted(o, w, acc.dtype)
+  if r == "sum":  # unweighted, but a weight-0 microbatch (padding) adds nothing
+    return acc + jnp.where(w == 0, jnp.zeros((), acc.dtype), o.astype(acc.dtype))
+  if r == "concat":
+    # In place into the (m, K, ...) buffer: no (K, m, ...) stack to transpose afterwards.
+    return lax.dynamic_update_index_in_dim(acc, o.astype(acc.dtype), i, axis=0 if o.ndim == 0 else 1)
+  return o  # "last"
+
+
+def _single(o, r, total):
+  """K = 1 without an axis: the reduction of one microbatch, exactly."""
+  if r == "mean":
+    nan = jnp.full((), jnp.nan, o.dtype)
+    return jnp.where(total == 0, jnp.zeros((), o.dtype), jnp.where(jnp.isnan(total), nan, o))
+  if r == "sum":
+    return jnp.where(total == 0, jnp.zeros((), o.dtype), o)
+  if r == "concat" and o.ndim == 0:
+    return o[None]
+  return o
 
 
 def _vma_kwargs(s) -> dict:
@@ -307,15 +429,6 @@ def _check_depends_on_batch(jaxpr, n_batch: int, n_out: int, batch_argnums) -> N
         "it in the call; microbatch splits that argument.")
 
 
-def _check_float_outputs(outs) -> None:
-  """Every output is averaged, so it must be floating: an integer mean would be truncated."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(outs):
-    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-      raise TypeError(
-          f"fun's output{jax.tree_util.keystr(path)} has dtype {leaf.dtype}: microbatch returns the "
-          "weighted mean of every output, so return it as a float (e.g. count.astype(jnp.float32))")
-
-
 def _weight_ok(w) -> jax.Array:
   """A weight must be finite and >= 0 (0 meaning: this microbatch is all padding)."""
   return jnp.isfinite(w) & (w >= 0)
@@ -327,8 +440,10 @@ def _weighted(out, w, dtype):
   return jnp.where(w == 0, jnp.zeros((), dtype), out.astype(dtype) * w)
 
 
-def _wdtype(outs, override) -> jnp.dtype:
-  return _tree.widest(_tree.accumulator_dtype(o.dtype, override) for o in jax.tree.leaves(outs))
+def _wdtype(leaves, reds, override) -> jnp.dtype:
+  """The dtype weights are summed in: the widest accumulator of the averaged leaves (float32 at least)."""
+  return _tree.widest(_tree.accumulator_dtype(o.dtype, override)
+                      for o, r in zip(leaves, reds, strict=True) if r in ("mean", "sum"))
 
 
 def _checked_total(wsum, ok):
@@ -344,24 +459,43 @@ def _checked_total(wsum, ok):
   return total
 
 
-def _finish(acc, wsum, ok, like, axis_name):
-  """(sum w o, sum w) -> (sum w o / sum w, total weight), all-reduced first when `axis_name` is given.
+def _gather_rows(x, axis_name):
+  """All devices' rows in device order (tiled on axis 0); invariant over the axis under shard_map."""
+  if parallel.vma_tracking(axis_name):
+    return lax.all_gather(parallel.to_varying(x, axis_name), axis_name, axis=0, tiled=True, to="invarying")
+  return lax.all_gather(x, axis_name, axis=0, tiled=True)
 
-  A total weight of 0 gives outputs of 0 (not 0/0); an invalid weight gives NaN.
+
+def _finish(accs, reds, wsum, ok, like, axis_name):
+  """Carries -> outputs: means divided by the total weight, sums as they are, concat buffers reshaped.
+
+  With `axis_name`, one all-reduce of (every mean and sum carry, sum w, bad
+  count) and one all-gather of the concat buffers; "last" stays per device.
+  A total weight of 0 gives means of 0 (not 0/0); an invalid weight gives NaN.
   """
+  like_leaves, treedef = jax.tree.flatten(like)
+  reduced = [i for i, r in enumerate(reds) if r in ("mean", "sum")]
+  accs = list(accs)
   if axis_name is not None:
-    parallel.check_varying(acc, axis_name, arg="outputs")
+    parallel.check_varying([accs[i] for i in reduced], axis_name, arg="outputs")
     # One psum over operands of mixed varying-ness lowers to several
     # all-reduces (invariant ones apart); cast all to varying to get one.
     # The validity flag travels as a count of bad microbatches in the same psum.
     bad = (~ok).astype(wsum.dtype)
-    acc, wsum, bad = parallel.to_varying((acc, wsum, bad), axis_name)
-    acc, wsum, bad = parallel.all_reduce_sum((acc, wsum, bad), axis_name)
+    sent = parallel.to_varying(([accs[i] for i in reduced], wsum, bad), axis_name)
+    got, wsum, bad = parallel.all_reduce_sum(sent, axis_name)
+    for i, a in zip(reduced, got, strict=True):
+      accs[i] = a
     ok = bad == 0
   total = _checked_total(wsum, ok)
   safe = jnp.where(total == 0, jnp.ones((), total.dtype), total)
-
-  def mean(a, o):
-    return jnp.where(total == 0, jnp.zeros((), a.dtype), a / safe.astype(a.dtype)).astype(o.dtype)
-
-  return jax.tree.map(mean, acc, like), total
+  outs = []
+  for a, o, r in zip(accs, like_leaves, reds, strict=True):
+    if r == "mean":
+      a = jnp.where(total == 0, jnp.zeros((), a.dtype), a / safe.astype(a.dtype))
+    elif r == "concat":
+      a = jnp.reshape(a, (-1,) + tuple(a.shape[2:]) if o.ndim else a.shape)
+      if axis_name is not None:
+        a = _gather_rows(a, axis_name)
+    outs.append(a.astype(o.dtype))
+  return jax.tree.unflatten(treedef, outs), total

@@ -31,18 +31,24 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxaccum import _tree
 from jaxaccum import parallel
-from jaxaccum.microbatch import check_binds, leading_size, microbatch
+from jaxaccum.microbatch import _check_reductions, _leaf_reductions, check_binds, leading_size, microbatch
 
 _CLOSURE_HINT = (
     "loss_fn must take the batch as its second argument: loss_fn(params, batch) (and a key third, "
     "loss_fn(params, batch, key), when the step is given one). A loss that closes over its batch, "
     "as in `def loss(params): ... batch ...`, cannot be split into microbatches: add the batch argument.")
+_STATE_HINT = (
+    "With has_state=True, loss_fn must take the model state second and the batch third: "
+    "loss_fn(params, state, batch) (and a key fourth when the step is given one), returning "
+    "(loss, new_state), or (loss, (new_state, aux)) with has_aux. A loss that closes over its batch "
+    "cannot be split into microbatches: add the batch argument.")
 
 
 class TrainStep:
@@ -92,6 +98,10 @@ def make_train_step(
     has_aux: bool = False,
     weight_fn: Callable[[Any], Any] | None = None,
     donate: bool = True,
+    aux_reductions: Any = None,
+    has_state: bool = False,
+    state_reductions: Any = None,
+    grad_norms: bool = False,
 ):
   r"""Returns a jitted `step(params, opt_state, batch, key=None) -> (params, opt_state, metrics)`.
 
@@ -104,14 +114,32 @@ def make_train_step(
   full-batch gradient.
 
   A step with nothing to average (every weight 0: an all-padding batch) applies
-  no update: `params` and `opt_state` come back bit-identical, `metrics["applied"]`
-  is False and `metrics["total_weight"]` is 0 (NaN when a weight was negative or
-  non-finite: that step is skipped too). An empty batch (0 rows) is a ValueError.
+  no update: `params`, `opt_state` (and `state`) come back bit-identical,
+  `metrics["applied"]` is False and `metrics["total_weight"]` is 0 (NaN when a
+  weight was negative or non-finite: that step is skipped too). An empty batch
+  (0 rows) is a ValueError.
+
+  Model state (`has_state=True`): state that is not trained but updated by the
+  forward pass (Flax `batch_stats`, `eqx.nn.State`, nnx `BatchStat`/RNG state)
+  goes through the step beside the parameters:
+
+    loss_fn(params, state, batch[, key]) -> (loss, new_state)      or, with has_aux,
+    loss_fn(params, state, batch[, key]) -> (loss, (new_state, aux))
+    step(params, state, opt_state, batch[, key]) -> (params, state, opt_state, metrics)
+
+  Every microbatch sees the `state` passed in (not its predecessor's), and the
+  new states of all P K microbatches are combined per `state_reductions`:
+  by default a floating leaf is their weighted mean (BatchNorm running
+  statistics: see the module docstring for how that compares with the full
+  batch) and any other leaf (counters, flags, PRNG keys) is the last one's,
+  that of the last microbatch of the last device. The new state must have the
+  structure of the state passed in; it comes back in its dtypes.
 
   Args:
     loss_fn: `loss_fn(params, batch[, key]) -> loss` or `(loss, aux)` with
-      `has_aux`. Should be a mean over the rows of `batch` (see `weight_fn`).
-      It must take the batch as an argument (not close over it).
+      `has_aux` (with `has_state`: see above). Should be a mean over the rows
+      of `batch` (see `weight_fn`). It must take the batch as an argument
+      (not close over it).
     optimizer: an optax transformation; it runs once per step, replicated.
     num_microbatches: K, microbatches per device per step (int >= 1). The
       batch's leading size must be divisible by P * K.
@@ -121,20 +149,32 @@ def make_train_step(
       `ja.replicate`, in particular on several processes), and the gradient is
       all-reduced once per step. Other mesh axes see replicated computation.
     data_axis: the mesh axis the batch is split over.
-    has_aux: `loss_fn` returns `(loss, aux)`; aux (array pytree) is averaged
-      like the loss, e.g. Flax `batch_stats` (see the module docstring).
+    has_aux: `loss_fn` returns `(loss, aux)`; aux (array pytree) is combined
+      per `aux_reductions`, by default averaged like the loss.
     weight_fn: `weight_fn(microbatch) -> scalar` weight of a microbatch, e.g.
       `lambda b: b["mask"].sum()` for a masked-mean loss; default equal weights.
-    donate: donate `params` and `opt_state` buffers to the outputs: after a
-      call, the arrays passed in are deleted, so rebind
+    donate: donate `params`, `opt_state` (and `state`) buffers to the outputs:
+      after a call the arrays passed in are deleted, so rebind
       `params, opt_state, metrics = step(params, opt_state, batch)`. Passing a
       deleted array is a ValueError naming it.
+    aux_reductions: how aux leaves are combined over microbatches and devices,
+      as `ja.microbatch`'s `reductions` (a tree prefix of aux; "mean", "sum",
+      "concat", "last"), e.g. `{"logits": "concat", "correct": "sum"}`: per-
+      example logits come back for the whole batch in its row order. "last"
+      is the last microbatch of the last device. Default: every leaf "mean".
+    has_state: thread model state through the step (see above).
+    state_reductions: a tree prefix of the state naming each leaf's
+      reduction; default "mean" for floating leaves, "last" for the others.
+    grad_norms: also return `metrics["grad_norms"]`, the global L2 norm of each
+      microbatch's gradient, shape (P K,) (device p's microbatch i at p K + i):
+      one extra pass over the gradient per microbatch, one small all-gather.
 
   Returns:
     A `jax.jit`-wrapped step (`.lower(...)` works). `metrics` holds
     `"loss"` (plus `"aux"` with `has_aux`): global weighted means;
     `"total_weight"`: sum of all weights (the number of microbatches P K by
-    default); `"applied"`: whether the optimizer update was applied.
+    default); `"applied"`: whether the optimizer update was applied;
+    `"grad_norms"` with `grad_norms`.
     A `key`, when given, is passed to `loss_fn` as
     `fold_in(fold_in(key, device_index), i)` for microbatch i (device index 0
     without a mesh), so devices and microbatches draw different randomness.
@@ -144,25 +184,35 @@ def make_train_step(
   if not hasattr(optimizer, "update") or not hasattr(optimizer, "init"):
     raise TypeError(f"optimizer={optimizer!r} must be an optax GradientTransformation")
   k = _tree.check_positive_int(num_microbatches, "num_microbatches")
-  if not isinstance(has_aux, bool):
-    raise TypeError(f"{has_aux=} must be a bool")
-  if not isinstance(donate, bool):
-    raise TypeError(f"{donate=} must be a bool")
+  for name, value in (("has_aux", has_aux), ("donate", donate), ("has_state", has_state),
+                      ("grad_norms", grad_norms)):
+    if not isinstance(value, bool):
+      raise TypeError(f"{name}={value!r} must be a bool")
   if weight_fn is not None and not callable(weight_fn):
     raise TypeError(f"weight_fn={weight_fn!r} must be callable or None")
+  if aux_reductions is not None and not has_aux:
+    raise ValueError(f"{aux_reductions=} needs has_aux=True (loss_fn returning (loss, aux))")
+  if state_reductions is not None and not has_state:
+    raise ValueError(f"{state_reductions=} needs has_state=True")
+  # Names checked now; the tree against the outputs when the step is traced.
+  _check_reductions(aux_reductions)
+  _check_reductions(state_reductions)
   if mesh is not None:
     if not isinstance(mesh, Mesh):
       raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh (see ja.data_mesh)")
     if data_axis not in mesh.axis_names:
       raise ValueError(f"{data_axis=} is not an axis of the mesh (its axes: {mesh.axis_names})")
-  try:  # loss_fn(params, batch), or loss_fn(params, batch, key) for a step given a key
-    check_binds(loss_fn, "loss_fn", (None, None, None), {}, _CLOSURE_HINT)
+  head = (None, None, None) if has_state else (None, None)
+  hint = _STATE_HINT if has_state else _CLOSURE_HINT
+  try:  # loss_fn(params[, state], batch), or with a key last for a step given a key
+    check_binds(loss_fn, "loss_fn", head + (None,), {}, hint)
   except TypeError:
-    check_binds(loss_fn, "loss_fn", (None, None), {}, _CLOSURE_HINT)
+    check_binds(loss_fn, "loss_fn", head, {}, hint)
   axis = data_axis if mesh is not None else None
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux or has_state)
+  nbatch = len(head) - 1  # the batch's position among loss_fn's arguments
 
-  def local_step(params, opt_state, batch, key):
+  def local_step(params, state, opt_state, batch, key):
     """The step as one device sees it (inside shard_map when there is a mesh)."""
     diff_params = params
     if axis is not None:
@@ -172,34 +222,67 @@ def make_train_step(
         key = jax.random.fold_in(key, lax.axis_index(axis))
     elif key is not None:
       key = jax.random.fold_in(key, 0)
-    args = (diff_params, batch) if key is None else (diff_params, batch, key)
-    fun = grad_fn
-    if axis is not None:
+    args = (diff_params,) + ((state,) if has_state else ()) + (batch,) + (() if key is None else (key,))
+
+    def fun(*a):
+      value, grads = grad_fn(*a)
+      if has_state:  # checked here, before the state's reductions are matched against it
+        new_state = value[1][0] if has_aux else value[1]
+        _tree.check_same_structure(new_state, state, "the state loss_fn returned", "the state passed to the step")
+      out = (value, grads, optax.tree.norm(grads)) if grad_norms else (value, grads)
       # The parameters are varying, so the gradients are per device by construction;
       # a loss or aux that is the same on every device (a constant) is then fine too.
-      fun = lambda *a: parallel.to_varying(grad_fn(*a), axis)
-    (value, grads), total = microbatch(
-        fun, k, batch_argnums=1, weight_fn=weight_fn, key_argnum=None if key is None else 2,
-        axis_name=axis, return_total_weight=True)(*args)
+      return out if axis is None else parallel.to_varying(out, axis)
+
+    state_red = None
+    if has_state:
+      state_red = state_reductions
+      if state_red is None:
+        state_red = jax.tree.map(lambda x: "mean" if jnp.issubdtype(x.dtype, jnp.inexact) else "last", state)
+    aux_red = "mean" if aux_reductions is None else aux_reductions
+    value_red = "mean"
+    if has_state or has_aux:
+      value_red = ("mean", (state_red, aux_red) if has_state and has_aux else state_red if has_state else aux_red)
+    reductions = (value_red, "mean") + (("concat",) if grad_norms else ())
+    out, total = microbatch(
+        fun, k, batch_argnums=nbatch, weight_fn=weight_fn, key_argnum=None if key is None else nbatch + 1,
+        axis_name=axis, reductions=reductions, return_total_weight=True)(*args)
+    value, grads = out[0], out[1]
+    loss, new_state, aux = value, None, None
+    if has_state:
+      loss, rest = value
+      new_state, aux = rest if has_aux else (rest, None)
+      if axis is not None:
+        new_state = _last_of_last_device(new_state, state_red, axis)
+      new_state = _tree.cast_like(new_state, state)  # the same dtypes every step: no recompiles
+    elif has_aux:
+      loss, aux = value
+    if has_aux and axis is not None:
+      aux = _last_of_last_device(aux, aux_red, axis)
     # NaN (an invalid weight) compares False too: no update from it either.
     applied = total > 0
 
     def update(ops):
-      params, opt_state, grads = ops
+      params, state, opt_state, grads, new_state = ops
       updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
+      return optax.apply_updates(params, updates), new_state, opt_state
 
-    params, opt_state = parallel.cond(applied, update, lambda ops: ops[:2], (params, opt_state, grads))
-    metrics = {"loss": value[0], "aux": value[1]} if has_aux else {"loss": value}
+    params, state, opt_state = parallel.cond(
+        applied, update, lambda ops: ops[:3], (params, state, opt_state, grads, new_state))
+    metrics = {"loss": loss}
+    if has_aux:
+      metrics["aux"] = aux
     metrics.update(total_weight=total, applied=applied)
-    return params, opt_state, metrics
+    if grad_norms:
+      metrics["grad_norms"] = out[2]
+    return params, state, opt_state, metrics
 
-  def step(params, opt_state, batch, key=None):
+  def step(params, state, opt_state, batch, key=None):
     # Checked here, on the global shapes: inside shard_map a device sees only its rows.
     size = leading_size(batch)
-    check_binds(loss_fn, "loss_fn", (None, None) if key is None else (None, None, None), {}, _CLOSURE_HINT)
+    check_binds(loss_fn, "loss_fn", head if key is None else head + (None,), {}, hint)
     if mesh is None:
-      return local_step(params, opt_state, batch, key)
+      return local_step(params, state, opt_state, batch, key)
     shards = mesh.shape[data_axis]
     if size % (shards * k):
       raise ValueError(
@@ -208,10 +291,39 @@ def make_train_step(
     replicated, split = PartitionSpec(), PartitionSpec(data_axis)
     key_spec = None if key is None else replicated
     body = jax.shard_map(
-        lambda p, s, b, r: local_step(p, s, b, r), mesh=mesh,
-        in_specs=(replicated, replicated, split, key_spec),
-        out_specs=(replicated, replicated, replicated))
-    return body(params, opt_state, batch, key)
+        lambda p, st, s, b, r: local_step(p, st, s, b, r), mesh=mesh,
+        in_specs=(replicated, replicated, replicated, split, key_spec),
+        out_specs=(replicated, replicated, replicated, replicated))
+    return body(params, state, opt_state, batch, key)
 
-  jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
-  return TrainStep(jitted, ("params", "opt_state", "batch", "key"), step)
+  if has_state:
+    def stateful_step(params, state, opt_state, batch, key=None):
+      return step(params, state, opt_state, batch, key)
+
+    jitted = jax.jit(stateful_step, donate_argnums=(0, 1, 2) if donate else ())
+    return TrainStep(jitted, ("params", "state", "opt_state", "batch", "key"), stateful_step)
+
+  def plain_step(params, opt_state, batch, key=None):
+    params, _, opt_state, metrics = step(params, None, opt_state, batch, key)
+    return params, opt_state, metrics
+
+  jitted = jax.jit(plain_step, donate_argnums=(0, 1) if donate else ())
+  return TrainStep(jitted, ("params", "opt_state", "batch", "key"), plain_step)
+
+
+def _last_of_last_device(tree, reductions, axis):
+  """Leaves reduced with "last" hold each device's own last microbatch: take the last device's.
+
+  So that the step's outputs are replicated, and "last" means the last
+  microbatch of the whole batch. One small all-gather of those leaves.
+  """
+  if tree is None:
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  reds = _leaf_reductions(reductions, tree)
+  picked = [i for i, r in enumerate(reds) if r == "last"]
+  if picked:
+    got = lax.all_gather(parallel.to_varying([leaves[i] for i in picked], axis), axis, to="invarying")
+    for i, g in zip(picked, got, strict=True):
+      leaves[i] = g[-1]
+  return jax.tree.unflatten(treedef, leaves)

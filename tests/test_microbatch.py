@@ -4,6 +4,7 @@ import math
 import re
 
 import chex
+import optax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -300,3 +301,125 @@ def test_closure_over_the_batch_is_named(problem):
   ignoring = lambda p, batch: mse_loss(p, (x, y))
   with pytest.raises(ValueError, match=r"do not depend on its batch.*def loss\(params, batch\)"):
     ja.microbatch(jax.value_and_grad(ignoring), 4)(params, (x, y))
+
+
+# --------------------------------------------------------------------------- reductions (issue 13)
+
+RED = {"loss": "mean", "grads": "mean", "sse": "sum", "count": "sum", "pred": "concat", "gnorm": "concat",
+       "last": "last"}
+
+
+def reduced_outputs(params, batch):
+  """One output per reduction: means, a float and an int sum, per-example rows, a scalar per microbatch, a last."""
+  x, y = batch
+  loss, grads = jax.value_and_grad(mse_loss)(params, batch)
+  pred = mlp_apply(params, x)
+  err = jnp.sum((pred - y) ** 2, axis=-1)
+  return {"loss": loss, "grads": grads, "sse": jnp.sum(err), "count": jnp.sum(err > 0.5).astype(jnp.int32),
+          "pred": pred, "gnorm": optax.tree.norm(grads), "last": x[:1, 0]}
+
+
+def reduced_reference(params, x, y, k, devices=1):
+  """Plain full-batch values; per-microbatch ones from rows i::k of each device's contiguous block."""
+  x, y = np.asarray(x), np.asarray(y)
+  full = jax.tree.map(np.asarray, reduced_outputs(params, (x, y)))
+  rows = x.shape[0] // devices
+  blocks = [(x[p * rows:(p + 1) * rows], y[p * rows:(p + 1) * rows]) for p in range(devices)]
+  gnorms = [float(optax.tree.norm(jax.grad(mse_loss)(params, (bx[i::k], by[i::k]))))
+            for bx, by in blocks for i in range(k)]
+  lasts = np.concatenate([bx[k - 1::k][:1, 0] for bx, _ in blocks])
+  err = np.sum((full["pred"] - y) ** 2, axis=-1)
+  return dict(full, sse=np.sum(err), count=np.int32(np.sum(err > 0.5)), gnorm=np.asarray(gnorms), last=lasts)
+
+
+def assert_reduced(out, expected):
+  assert out["count"].dtype == jnp.int32 and int(out["count"]) == int(expected["count"])
+  assert out["count"] > 0 and out["count"] < 128  # the threshold splits the rows, so the sum means something
+  rest = {n: v for n, v in out.items() if n != "count"}
+  chex.assert_trees_all_close(rest, {n: expected[n] for n in rest}, rtol=RTOL, atol=1e-15)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_reductions_equal_full_batch(k):
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(1), 128)
+  out = jax.jit(ja.microbatch(reduced_outputs, k, reductions=RED))(params, (x, y))
+  expected = reduced_reference(params, x, y, k)
+  assert out["pred"].shape == (128, 2) and out["gnorm"].shape == (k,)
+  assert_reduced(out, expected)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_reductions_over_8_devices(k):
+  """shard_map over 8 devices: means/sums reduced, concat gathered in global row order, last per device."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(1), 128)  # 16 rows per device
+  mesh = ja.data_mesh()
+
+  def local(params, batch):
+    params = lax.pcast(params, "data", to="varying")
+    return ja.microbatch(reduced_outputs, k, reductions=RED, axis_name="data")(params, batch)
+
+  out_specs = {n: P("data") if n == "last" else P() for n in RED}
+  fun = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=out_specs))
+  out = fun(params, ja.shard_batch((x, y), mesh))
+  expected = reduced_reference(params, x, y, k, devices=8)
+  assert out["pred"].shape == (128, 2) and out["gnorm"].shape == (8 * k,) and out["last"].shape == (8,)
+  assert_reduced(out, expected)
+  hlo = fun.lower(params, ja.shard_batch((x, y), mesh)).compile().as_text()
+  # Means, float sums and weights share one all-reduce; the int32 count needs its own.
+  assert _hlo.count(hlo, "all-reduce") == 2
+
+
+def test_concat_and_sum_under_pmap():
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(1), 64)
+  red = {"loss": "mean", "sse": "sum", "pred": "concat"}
+
+  def fun(p, b):
+    pred = mlp_apply(p, b[0])
+    return {"loss": mse_loss(p, b), "sse": jnp.sum((pred - b[1]) ** 2), "pred": pred}
+
+  out = jax.pmap(ja.microbatch(fun, 4, reductions=red, axis_name="data"), axis_name="data", in_axes=(None, 0))(
+      params, (x.reshape(8, 8, 3), y.reshape(8, 8, 2)))
+  pred = mlp_apply(params, x)
+  chex.assert_trees_all_close(jax.tree.map(lambda o: o[5], out),
+                              {"loss": mse_loss(params, (x, y)), "sse": jnp.sum((pred - y) ** 2), "pred": pred},
+                              rtol=RTOL, atol=1e-15)
+
+
+def test_sum_skips_zero_weight_microbatches_concat_keeps_them():
+  x = jnp.arange(16.0)
+  w = jnp.asarray([0.0, 1.0, 1.0, 1.0] * 4)  # microbatch 0 (rows 0, 4, 8, 12) weighs 0
+
+  def fun(_, b):
+    return {"sum": jnp.sum(b["x"]) / jnp.sum(b["w"]) * 0 + jnp.sum(b["x"]), "nan": jnp.sum(b["x"]) / jnp.sum(b["w"]),
+            "rows": b["x"]}
+
+  out = ja.microbatch(fun, 4, weight_fn=lambda b: jnp.sum(b["w"]) > 0,
+                      reductions={"sum": "sum", "nan": "sum", "rows": "concat"})(None, {"x": x, "w": w})
+  kept = np.asarray([r for r in range(16) if r % 4])
+  np.testing.assert_array_equal(out["sum"], np.sum(kept * 1.0))  # NaN of microbatch 0 (0/0) left out
+  assert np.isfinite(out["nan"])
+  np.testing.assert_array_equal(out["rows"], x)
+
+
+def test_reductions_bad_input(problem):
+  params, _, data = problem
+  vg = jax.value_and_grad(mse_loss)
+  with pytest.raises(ValueError, match=r"reductions='median' is not a reduction.*'mean', 'sum', 'concat', 'last'"):
+    ja.microbatch(vg, 2, reductions="median")
+  with pytest.raises(ValueError, match=r"reductions\[1\]=None is not a reduction"):
+    ja.microbatch(vg, 2, reductions=("mean", None))
+  with pytest.raises(ValueError, match=r"reductions=\('mean', 'mean', 'sum'\) is not a tree prefix of fun's outputs"):
+    ja.microbatch(vg, 2, reductions=("mean", "mean", "sum"))(params, data)
+  with pytest.raises(ValueError, match="is not a tree prefix"):
+    ja.microbatch(vg, 2, reductions={"loss": "mean"})(params, data)
+  counting = lambda p, b: {"loss": mse_loss(p, b), "n": jnp.sum(b[0][:, 0] > 0), "ok": jnp.all(b[0] < 9)}
+  for k in (1, 4):
+    with pytest.raises(TypeError, match=r"output\['n'\] has dtype int.*\"sum\" \(a count\)"):
+      ja.microbatch(counting, k)(params, data)
+    with pytest.raises(TypeError, match=r"output\['ok'\] has dtype bool, which has no sum"):
+      ja.microbatch(counting, k, reductions={"loss": "mean", "n": "sum", "ok": "sum"})(params, data)
+    out = ja.microbatch(counting, k, reductions={"loss": "mean", "n": "sum", "ok": "last"})(params, data)
+    assert int(out["n"]) == int(jnp.sum(data[0][:, 0] > 0)) and out["ok"].dtype == jnp.bool_

@@ -2,6 +2,7 @@
 
 import chex
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -358,3 +359,192 @@ def test_errors_name_the_users_values(problem):
   # A loss without a key argument, called with a key.
   with pytest.raises(TypeError, match=r"loss_fn\(params, batch, key\)"):
     ja.make_train_step(loss_fn, opt, donate=False)(params, opt.init(params), (x, y), jax.random.PRNGKey(0))
+
+
+# --------------------------------------------------------------------------- issue 13: reductions, model state
+
+
+def groups_of(batch, devices, k):
+  """Microbatch (p, i) = rows i::k of device p's contiguous block, in device-major order (a plain split)."""
+  rows = jax.tree.leaves(batch)[0].shape[0] // devices
+  return [jax.tree.map(lambda a, p=p, i=i: np.asarray(a)[p * rows:(p + 1) * rows][i::k], batch)
+          for p in range(devices) for i in range(k)]
+
+
+def test_aux_reductions_and_grad_norms_on_mesh(problem):
+  """Per-example aux back in row order, an int count summed, a last, per-microbatch gradient norms."""
+  params, _, (x, y) = problem
+  x, y = x[:112], y[:112]  # 14 rows per device, K = 2
+
+  def loss_fn(p, batch):
+    pred = mlp_apply(p, batch[0])
+    err = jnp.sum((pred - batch[1]) ** 2, axis=-1)
+    return jnp.mean(err), {"pred": pred, "big": jnp.sum(err > 0.5), "first_x": batch[0][0, 0], "err": jnp.mean(err)}
+
+  mesh, k, opt = ja.data_mesh(), 2, optax.sgd(0.1)
+  step = ja.make_train_step(loss_fn, opt, num_microbatches=k, mesh=mesh, has_aux=True, donate=False,
+                            aux_reductions={"pred": "concat", "big": "sum", "first_x": "last", "err": "mean"},
+                            grad_norms=True)
+  _, _, metrics = step(ja.replicate(params, mesh), ja.replicate(opt.init(params), mesh), ja.shard_batch((x, y), mesh))
+  pred = mlp_apply(params, x)
+  err = np.sum((np.asarray(pred) - np.asarray(y)) ** 2, axis=-1)
+  groups = groups_of((x, y), 8, k)
+  aux = metrics["aux"]
+  np.testing.assert_allclose(aux["pred"], pred, rtol=RTOL)
+  assert aux["big"].dtype == jnp.int64 and int(aux["big"]) == int(np.sum(err > 0.5)) and 0 < int(aux["big"]) < 112
+  assert float(aux["first_x"]) == float(groups[-1][0][0, 0])  # the last microbatch of the last device
+  np.testing.assert_allclose(aux["err"], np.mean(err), rtol=RTOL)
+  norms = [float(optax.tree.norm(jax.grad(mse_loss)(params, g))) for g in groups]
+  np.testing.assert_allclose(metrics["grad_norms"], norms, rtol=RTOL)
+
+
+def test_grad_norms_without_mesh(problem):
+  params, loss_fn, data = problem
+  opt = optax.sgd(0.1)
+  _, _, metrics = ja.make_train_step(loss_fn, opt, num_microbatches=4, grad_norms=True, donate=False)(
+      params, opt.init(params), data)
+  norms = [float(optax.tree.norm(jax.grad(mse_loss)(params, g))) for g in groups_of(data, 1, 4)]
+  np.testing.assert_allclose(metrics["grad_norms"], norms, rtol=RTOL)
+
+
+def plain_stateful_sgd(loss_fn, params, state, groups, steps, lr, reductions):
+  """K microbatches written out: each sees the same state; grads/loss averaged; new states combined."""
+  losses = []
+  for _ in range(steps):
+    outs = [jax.value_and_grad(loss_fn, has_aux=True)(params, state, g) for g in groups]
+    losses.append(np.mean([o[0][0] for o in outs]))
+    grads = jax.tree.map(lambda *g: sum(g) / len(g), *[o[1] for o in outs])
+    new_states = [o[0][1] for o in outs]
+    state = jax.tree.map(lambda r, *s: sum(s) / len(s) if r == "mean" else s[-1], reductions, *new_states)
+    params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+  return params, state, np.asarray(losses)
+
+
+def drifting_data(n=64, d=3):
+  """Rows whose mean and scale drift, so every microbatch has its own BatchNorm statistics."""
+  x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (n, d))) * np.linspace(0.5, 2.0, n)[:, None] \
+      + np.linspace(-1.0, 1.0, n)[:, None]
+  return x, np.sin(x[:, :1])
+
+
+def check_state_step(loss_fn, params, state, batch, reductions, devices, k, steps=2):
+  mesh = None if devices is None else ja.data_mesh(devices=jax.devices()[:devices])
+  opt = optax.sgd(0.1)
+  step = ja.make_train_step(loss_fn, opt, num_microbatches=k, mesh=mesh, has_state=True)
+  p, st, o = fresh(params), fresh(state), fresh(opt.init(params))
+  b = batch
+  if mesh is not None:
+    p, st, o, b = ja.replicate(p, mesh), ja.replicate(st, mesh), ja.replicate(o, mesh), ja.shard_batch(batch, mesh)
+  losses = []
+  for _ in range(steps):
+    p, st, o, metrics = step(p, st, o, b)
+    losses.append(metrics["loss"])
+  exp_p, exp_st, exp_losses = plain_stateful_sgd(loss_fn, params, state, groups_of(batch, devices or 1, k),
+                                                 steps, 0.1, reductions)
+  chex.assert_trees_all_close(p, exp_p, rtol=RTOL, atol=1e-15)
+  chex.assert_trees_all_close(st, exp_st, rtol=RTOL, atol=1e-15)
+  np.testing.assert_allclose(np.stack(losses), exp_losses, rtol=RTOL)
+  return st
+
+
+@pytest.mark.parametrize("devices,k", [(None, 4), (4, 2)])
+def test_state_flax_linen_batchnorm(devices, k):
+  """batch_stats threaded through the step: the mean of the per-microbatch batch_stats, two steps."""
+  model = BNNet()
+  x, y = drifting_data()
+  variables = jax.tree.map(lambda v: np.asarray(v, np.float64), model.init(jax.random.PRNGKey(1), x[:2]))
+
+  def loss_fn(params, batch_stats, batch):
+    pred, updates = model.apply({"params": params, "batch_stats": batch_stats}, batch[0], mutable=["batch_stats"])
+    return jnp.mean((pred - batch[1]) ** 2), updates["batch_stats"]
+
+  stats = variables["batch_stats"]
+  new = check_state_step(loss_fn, variables["params"], stats, (x, y), jax.tree.map(lambda _: "mean", stats),
+                         devices, k)
+  assert not np.allclose(new["bn"]["mean"], stats["bn"]["mean"])  # the statistics did move
+
+
+class NNXNet(nnx.Module):
+  def __init__(self, rngs):
+    self.dense0 = nnx.Linear(3, 4, rngs=rngs, param_dtype=jnp.float64)
+    self.bn = nnx.BatchNorm(4, momentum=0.9, rngs=rngs, param_dtype=jnp.float64)
+    self.dense1 = nnx.Linear(4, 1, rngs=rngs, param_dtype=jnp.float64)
+
+  def __call__(self, x):
+    return self.dense1(jnp.tanh(self.bn(self.dense0(x))))
+
+
+def test_state_nnx_functional_api():
+  """nnx through make_train_step: nnx.split into pure params and batch statistics, nnx.merge inside the loss."""
+  x, y = drifting_data()
+  graphdef, params, stats, rest = nnx.split(NNXNet(nnx.Rngs(0)), nnx.Param, nnx.BatchStat, ...)
+  params = nnx.as_pure(params)
+  stats = jax.tree.map(lambda s: jnp.asarray(s, jnp.float64), nnx.as_pure(stats))
+
+  def loss_fn(params, stats, batch):
+    model = nnx.merge(graphdef, params, stats, rest)
+    loss = jnp.mean((model(batch[0]) - batch[1]) ** 2)
+    return loss, nnx.as_pure(nnx.state(model, nnx.BatchStat))
+
+  new = check_state_step(loss_fn, params, stats, (x, y), jax.tree.map(lambda _: "mean", stats), 4, 2)
+  assert not np.allclose(new["bn"]["mean"]["value"] if isinstance(new["bn"]["mean"], dict) else new["bn"]["mean"],
+                         0.0)
+
+
+@pytest.mark.parametrize("mode,devices", [("ema", None), ("batch", None)])
+def test_state_equinox_batchnorm(mode, devices):
+  """eqx.nn.State with a BatchNorm: float statistics averaged, its non-float leaf (a flag, a counter) the last.
+
+  Without a mesh: inside jax.shard_map (jax 0.10, equinox 0.13) eqx.nn.BatchNorm fails by itself, jaxaccum
+  aside: mode="ema"'s `state.set` of the constant `jnp.array(False)` trips equinox's structure check (the
+  old value's aval carries the manual mesh), and mode="batch"'s pmean over the vmap axis from inside a
+  nested vmap is an AssertionError in jax (reproduced with a bare shard_map(vmap(vmap(pmean)))).
+  """
+  import equinox as eqx
+
+  class Net(eqx.Module):
+    dense0: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    dense1: eqx.nn.Linear
+
+    def __init__(self, key):
+      k0, k1 = jax.random.split(key)
+      self.dense0 = eqx.nn.Linear(3, 4, key=k0, dtype=jnp.float64)
+      self.bn = eqx.nn.BatchNorm(4, axis_name="batch", momentum=0.9, mode=mode, dtype=jnp.float64)
+      self.dense1 = eqx.nn.Linear(4, 1, key=k1, dtype=jnp.float64)
+
+    def __call__(self, x, state):
+      h, state = self.bn(self.dense0(x), state)
+      return self.dense1(jnp.tanh(h)), state
+
+  model, state = eqx.nn.make_with_state(Net)(jax.random.PRNGKey(0))
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  x, y = drifting_data()
+
+  def loss_fn(params, state, batch):
+    model = eqx.combine(params, static)
+    pred, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(batch[0], state)
+    return jnp.mean((pred - batch[1]) ** 2), state
+
+  reductions = jax.tree.map(lambda s: "mean" if jnp.issubdtype(s.dtype, jnp.inexact) else "last", state)
+  assert "last" in jax.tree.leaves(reductions)  # the flag: a non-float leaf
+  new = check_state_step(loss_fn, params, state, (x, y), reductions, devices, 2)
+  others = [leaf for leaf in jax.tree.leaves(new) if not jnp.issubdtype(leaf.dtype, jnp.inexact)]
+  assert [int(o) for o in others] == ([False] if mode == "ema" else [2])  # not first time any more; 2 steps
+
+
+def test_state_bad_input(problem):
+  params, loss_fn, data = problem
+  opt = optax.sgd(0.1)
+  with pytest.raises(TypeError, match=r"loss_fn\(params, state, batch\)"):
+    ja.make_train_step(loss_fn, opt, has_state=True)
+  with pytest.raises(ValueError, match="state_reductions='last' needs has_state=True"):
+    ja.make_train_step(loss_fn, opt, state_reductions="last")
+  with pytest.raises(ValueError, match="aux_reductions='sum' needs has_aux=True"):
+    ja.make_train_step(loss_fn, opt, aux_reductions="sum")
+  with pytest.raises(ValueError, match=r"reductions\['n'\]='avg' is not a reduction"):
+    ja.make_train_step(loss_fn, opt, has_aux=True, aux_reductions={"n": "avg"})
+  stateful = lambda p, s, b: (loss_fn(p, b), {"count": s["count"] + 1, "other": s["count"]})
+  step = ja.make_train_step(stateful, opt, has_state=True, donate=False)
+  with pytest.raises(ValueError, match="the state loss_fn returned does not match the state passed to the step"):
+    step(params, {"count": jnp.int32(0)}, opt.init(params), data)
