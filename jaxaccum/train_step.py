@@ -88,6 +88,26 @@ class TrainStep:
     return getattr(self._jitted, name)
 
 
+def _sharded_step(loss_fn, optimizer, *, num_microbatches, mesh, data_axis, has_aux, weight_fn, donate,
+                  aux_reductions, has_state, state_reductions, grad_norms, strategy, comm_dtype, fsdp_gather):
+  """make_train_step for a sharded strategy (or ddp with a wire dtype): `jaxaccum.sharded` builds it."""
+  from jaxaccum import sharded  # sharded imports only _tree and parallel: no cycle
+
+  if not isinstance(strategy, str) or strategy not in sharded.STRATEGIES:
+    raise ValueError(f"{strategy=} must be one of {sharded.STRATEGIES}")
+  if mesh is None:
+    raise ValueError(f"{strategy=} (or comm_dtype/fsdp_gather) needs a mesh: make_train_step(..., mesh=...)")
+  for name, value in (("has_state", has_state), ("grad_norms", grad_norms)):
+    if value is not False:
+      raise ValueError(f"{name}={value!r} is not supported with {strategy=} yet (only with strategy='ddp')")
+  for name, value in (("aux_reductions", aux_reductions), ("state_reductions", state_reductions)):
+    if value is not None:
+      raise ValueError(f"{name}={value!r} is not supported with {strategy=} yet (only with strategy='ddp')")
+  return sharded.make_sharded_train_step(
+      loss_fn, optimizer, strategy=strategy, mesh=mesh, data_axis=data_axis, num_microbatches=num_microbatches,
+      has_aux=has_aux, weight_fn=weight_fn, donate=donate, comm_dtype=comm_dtype, fsdp_gather=fsdp_gather)
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
@@ -102,6 +122,9 @@ def make_train_step(
     has_state: bool = False,
     state_reductions: Any = None,
     grad_norms: bool = False,
+    strategy: str = "ddp",
+    comm_dtype: Any = None,
+    fsdp_gather: str = "per_microbatch",
 ):
   r"""Returns a jitted `step(params, opt_state, batch, key=None) -> (params, opt_state, metrics)`.
 
@@ -168,6 +191,19 @@ def make_train_step(
     grad_norms: also return `metrics["grad_norms"]`, the global L2 norm of each
       microbatch's gradient, shape (P K,) (device p's microbatch i at p K + i):
       one extra pass over the gradient per microbatch, one small all-gather.
+    strategy: how parameters and optimizer state are laid out over the data
+      axis (see `ja.shard_train_state`, which places them): "ddp" (replicated;
+      one gradient all-reduce per step), "zero1" (optimizer state sharded; one
+      reduce-scatter and one all-gather), "fsdp" (parameters and state
+      sharded), "hsdp" (`data_axis=(replica_axis, shard_axis)`: fsdp within a
+      group, one cross-replica all-reduce per step). Strategies other than
+      "ddp" need a `mesh` and do not take `has_state`, `aux_reductions` or
+      `grad_norms`.
+    comm_dtype: dtype of the gradient on the wire (e.g. `jnp.bfloat16`);
+      accumulation stays in float32 or wider.
+    fsdp_gather: "fsdp"/"hsdp" only: "per_microbatch" (memory-lean) or "once"
+      (comm-lean: one parameter all-gather per step instead of K, at the cost
+      of one full parameter copy and one full accumulator per device).
 
   Returns:
     A `jax.jit`-wrapped step (`.lower(...)` works). `metrics` holds
@@ -181,6 +217,11 @@ def make_train_step(
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn={loss_fn!r} must be callable")
+  if strategy != "ddp" or comm_dtype is not None or fsdp_gather != "per_microbatch":
+    return _sharded_step(loss_fn, optimizer, num_microbatches=num_microbatches, mesh=mesh, data_axis=data_axis,
+                         has_aux=has_aux, weight_fn=weight_fn, donate=donate, aux_reductions=aux_reductions,
+                         has_state=has_state, state_reductions=state_reductions, grad_norms=grad_norms,
+                         strategy=strategy, comm_dtype=comm_dtype, fsdp_gather=fsdp_gather)
   if not hasattr(optimizer, "update") or not hasattr(optimizer, "init"):
     raise TypeError(f"optimizer={optimizer!r} must be an optax GradientTransformation")
   k = _tree.check_positive_int(num_microbatches, "num_microbatches")

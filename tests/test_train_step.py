@@ -548,3 +548,35 @@ def test_state_bad_input(problem):
   step = ja.make_train_step(stateful, opt, has_state=True, donate=False)
   with pytest.raises(ValueError, match="the state loss_fn returned does not match the state passed to the step"):
     step(params, {"count": jnp.int32(0)}, opt.init(params), data)
+
+
+@pytest.mark.parametrize("strategy,k", [("zero1", 3), ("fsdp", 1)])
+def test_strategy_option_equals_full_batch(strategy, k):
+  """make_train_step(strategy=...) with ja.shard_train_state: the full-batch adam step (tests/test_sharded.py has the grid)."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 16, 8))
+  data = regression_data(jax.random.PRNGKey(1), 48, d_out=8)
+  expected_params, expected_losses = plain_adam(mse_loss, params, data, steps=2)
+  mesh = ja.data_mesh()
+  opt = optax.adam(1e-2)
+  p, s = ja.shard_train_state(fresh(params), opt, mesh, strategy=strategy)
+  step = ja.make_train_step(mse_loss, opt, num_microbatches=k, mesh=mesh, strategy=strategy)
+  batch = ja.shard_batch(data, mesh)
+  losses = []
+  for _ in range(2):
+    p, s, metrics = step(p, s, batch)
+    losses.append(metrics["loss"])
+  chex.assert_trees_all_close(p, expected_params, rtol=RTOL, atol=1e-15)
+  chex.assert_trees_all_close(jnp.stack(losses), expected_losses, rtol=RTOL, atol=0)
+
+
+def test_strategy_bad_input(problem):
+  _, loss_fn, _ = problem
+  mesh = ja.data_mesh()
+  with pytest.raises(ValueError, match=r"strategy='zero2' must be one of"):
+    ja.make_train_step(loss_fn, optax.adam(1e-2), mesh=mesh, strategy="zero2")
+  with pytest.raises(ValueError, match=r"needs a mesh"):
+    ja.make_train_step(loss_fn, optax.adam(1e-2), strategy="zero1")
+  with pytest.raises(ValueError, match=r"has_state=True is not supported with strategy='fsdp'"):
+    ja.make_train_step(loss_fn, optax.adam(1e-2), mesh=mesh, strategy="fsdp", has_state=True)
+  with pytest.raises(ValueError, match=r"fsdp_gather='twice' is not one of"):
+    ja.make_train_step(loss_fn, optax.adam(1e-2), mesh=mesh, strategy="fsdp", fsdp_gather="twice")
