@@ -27,24 +27,31 @@ class MicrobatchPlan(int):
 
   Attributes:
     totals: {K: total bytes} for every candidate compiled, in the order tried
-      (ascending K, stopping at the first that fits).
+      (ascending K, stopping at the first that fits); with `step_options`,
+      keyed by (K, index of the options).
     memory_bytes: the total of the chosen K.
     budget_bytes: the budget it was chosen for.
+
+    step_options: with `step_options`, the keyword arguments of the chosen
+      step (e.g. `{"fsdp_gather": "once"}`); None otherwise.
   """
 
   totals: dict
   memory_bytes: int
   budget_bytes: int
+  step_options: dict | None
 
-  def __new__(cls, k: int, totals: dict, budget: int):
+  def __new__(cls, k: int, totals: dict, budget: int, key: Any = None, step_options: dict | None = None):
     self = super().__new__(cls, k)
     self.totals = dict(totals)
-    self.memory_bytes = totals[k]
+    self.memory_bytes = totals[k if key is None else key]
     self.budget_bytes = budget
+    self.step_options = None if step_options is None else dict(step_options)
     return self
 
   def __repr__(self):
-    return f"MicrobatchPlan({int(self)}, memory_bytes={self.memory_bytes}, totals={self.totals})"
+    options = "" if self.step_options is None else f", step_options={self.step_options}"
+    return f"MicrobatchPlan({int(self)}{options}, memory_bytes={self.memory_bytes}, totals={self.totals})"
 
 
 def compiled_memory_bytes(compiled) -> int:
@@ -81,6 +88,7 @@ def plan_microbatches(
     memory_budget_bytes: int,
     candidates: Sequence[int] | None = None,
     batch_argnum: int | None = None,
+    step_options: Sequence[dict] | None = None,
 ) -> MicrobatchPlan:
   """Compiles the step for candidate K and returns the smallest K whose footprint fits the budget.
 
@@ -106,10 +114,21 @@ def plan_microbatches(
       the default candidates. Default: the step's own `batch_argnum` (steps
       from `make_train_step` carry it: 2 for `step(params, opt_state, batch)`,
       3 with `has_state`), else 2.
+    step_options: variants of the step to try for each K, in order of
+      preference: `step_fn(K, **options)` is compiled for each, and the first
+      that fits wins (smallest K first, then the earlier option). E.g. fsdp's
+      comm-lean mode where it fits, else the memory-lean one::
+
+        plan = ja.plan_microbatches(
+            lambda k, **o: ja.make_train_step(loss, opt, num_microbatches=k, mesh=mesh,
+                                              strategy="fsdp", **o),
+            params, opt_state, batch, memory_budget_bytes=budget,
+            step_options=[{"fsdp_gather": "once"}, {"fsdp_gather": "per_microbatch"}])
+        step = ja.make_train_step(..., num_microbatches=plan, **plan.step_options)
 
   Returns:
     A `MicrobatchPlan`: an int K, with `.totals` ({K: bytes} of every
-    candidate compiled) and `.memory_bytes`.
+    candidate compiled), `.memory_bytes` and `.step_options`.
 
   Raises:
     ValueError: when no candidate fits, naming the smallest total found.
@@ -120,12 +139,23 @@ def plan_microbatches(
     raise ValueError(f"{memory_budget_bytes=} must be a positive number of bytes")
   if not callable(step_fn):
     raise TypeError(f"step_fn={step_fn!r} must be callable: K -> the jitted step for K microbatches")
-  steps: dict[int, Any] = {}
+  if step_options is not None:
+    if isinstance(step_options, dict) or not isinstance(step_options, collections.abc.Sequence) or not all(
+        isinstance(o, dict) for o in step_options) or not step_options:
+      raise TypeError(f"{step_options=} must be a non-empty sequence of keyword dicts, e.g. "
+                      "[{'fsdp_gather': 'once'}, {'fsdp_gather': 'per_microbatch'}]")
+  variants: list = [None] if step_options is None else list(step_options)
+
+  def build(k, index):
+    options = variants[index]
+    return step_fn(k) if options is None else step_fn(k, **options)
+
+  steps: dict[Any, Any] = {}
   if batch_argnum is None and candidates is None:
     # Steps from make_train_step say where their batch is (3 with has_state); K = 1 is
     # always a default candidate, so building its step first costs nothing extra.
-    steps[1] = step_fn(1)
-    batch_argnum = getattr(steps[1], "batch_argnum", 2)
+    steps[1, 0] = build(1, 0)
+    batch_argnum = getattr(steps[1, 0], "batch_argnum", 2)
   if batch_argnum is not None and (isinstance(batch_argnum, bool) or not isinstance(batch_argnum, numbers.Integral)):
     raise TypeError(f"{batch_argnum=} must be an int (which example argument is the batch)")
   if candidates is None:
@@ -145,15 +175,17 @@ def plan_microbatches(
     if not candidates:
       raise ValueError(f"{candidates=} must name at least one K")
 
-  totals: dict[int, int] = {}
+  totals: dict[Any, int] = {}
   for k in candidates:
-    step = steps[k] if k in steps else step_fn(k)
-    if not hasattr(step, "lower"):
-      step = jax.jit(step)
-    totals[k] = compiled_memory_bytes(step.lower(*example_args).compile())
-    if totals[k] <= memory_budget_bytes:
-      return MicrobatchPlan(k, totals, memory_budget_bytes)
-  best = min(totals, key=totals.get)
+    for index in range(len(variants)):
+      step = steps[k, index] if (k, index) in steps else build(k, index)
+      if not hasattr(step, "lower"):
+        step = jax.jit(step)
+      key = k if step_options is None else (k, index)
+      totals[key] = compiled_memory_bytes(step.lower(*example_args).compile())
+      if totals[key] <= memory_budget_bytes:
+        return MicrobatchPlan(k, totals, memory_budget_bytes, key=key, step_options=variants[index])
+  best = min(totals, key=totals.__getitem__)
   raise ValueError(
       f"no num_microbatches in {list(candidates)} fits {memory_budget_bytes=}: the smallest "
       f"compiled total is {totals[best]} bytes (K={best}); totals by K: {totals}")

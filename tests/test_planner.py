@@ -72,3 +72,28 @@ def test_bad_input_names_the_value():
     ja.plan_microbatches(factory, params, state, data, memory_budget_bytes=1, candidates=[True])
   with pytest.raises(TypeError, match="batch_argnum=True"):
     ja.plan_microbatches(factory, params, state, data, memory_budget_bytes=1, batch_argnum=True)
+
+
+def test_step_options_choose_fsdp_comm_lean_when_it_fits():
+  """fsdp's comm-lean mode ("once") holds a full accumulator: chosen only when the budget allows it."""
+  params = mlp_init(jax.random.PRNGKey(0), (16, 64, 64, 8))
+  data = regression_data(jax.random.PRNGKey(1), 64, d_in=16, d_out=8)
+  mesh = ja.data_mesh()
+  opt = optax.adam(1e-3)
+  p, s = ja.shard_train_state(params, opt, mesh, strategy="fsdp")
+  batch = ja.shard_batch(data, mesh)
+
+  def factory(k, **options):
+    return ja.make_train_step(mse_loss, opt, num_microbatches=k, mesh=mesh, strategy="fsdp", **options)
+
+  once, lean = (total_bytes(factory(4, fsdp_gather=g), p, s, batch) for g in ("once", "per_microbatch"))
+  assert once > lean  # the full accumulator costs memory (else the test means nothing)
+  options = [{"fsdp_gather": "once"}, {"fsdp_gather": "per_microbatch"}]
+  plan = ja.plan_microbatches(factory, p, s, batch, memory_budget_bytes=once, candidates=[4], step_options=options)
+  assert (int(plan), plan.step_options, plan.memory_bytes) == (4, {"fsdp_gather": "once"}, once)
+  plan = ja.plan_microbatches(factory, p, s, batch, memory_budget_bytes=(once + lean) // 2, candidates=[4],
+                              step_options=options)
+  assert (int(plan), plan.step_options, plan.memory_bytes) == (4, {"fsdp_gather": "per_microbatch"}, lean)
+  assert plan.totals == {(4, 0): once, (4, 1): lean}
+  with pytest.raises(TypeError, match="step_options="):
+    ja.plan_microbatches(factory, p, s, batch, memory_budget_bytes=once, step_options={"fsdp_gather": "once"})
