@@ -237,6 +237,10 @@ def save(path, tree, *, overwrite: bool = False) -> None:
   if primary and os.path.exists(tmp):  # left by an interrupted save
     shutil.rmtree(tmp)
   _sync("jaxaccum_checkpoint_save_start")
+  for key_path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if isinstance(leaf, jax.Array) and leaf.is_deleted():
+      raise ValueError(f"tree{jax.tree_util.keystr(key_path)} has been deleted (donated to a jitted step?): "
+                       "save the arrays the step returned, e.g. params, opt_state, metrics = step(...)")
   leaves = {}
   for name, leaf in _flat(tree).items():
     value = _host_value(leaf)
@@ -254,14 +258,17 @@ def save(path, tree, *, overwrite: bool = False) -> None:
   _sync("jaxaccum_checkpoint_save_done")  # no process returns before the checkpoint is at `path`
 
 
-def _abstract(x):
+def _abstract(x, path=()):
   if isinstance(x, jax.ShapeDtypeStruct):
     return x
+  if isinstance(x, (bool, int, float)) or isinstance(x, np.generic) and not hasattr(x, "shape"):
+    return x  # a Python scalar (flax's TrainState.step=0): orbax restores it as one
   if isinstance(x, jax.Array):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy arrays and scalars
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
-  raise TypeError(f"like holds a {type(x).__name__} leaf ({x!r}); restore needs arrays or jax.ShapeDtypeStruct")
+  raise TypeError(f"like{jax.tree_util.keystr(tuple(path))} is a {type(x).__name__} ({x!r}); restore needs arrays, "
+                  "Python scalars or jax.ShapeDtypeStruct leaves")
 
 
 def _as_stored(abstract):
@@ -375,7 +382,7 @@ def restore(path, like):
   path = _path(path)
   if not os.path.isdir(path) or not os.listdir(path):
     raise FileNotFoundError(f"no checkpoint at {path=}")
-  abstract = jax.tree.map(_abstract, like)
+  abstract = jax.tree_util.tree_map_with_path(lambda p, x: _abstract(x, p), like)
   manifest = _read_manifest(path)
   if manifest is None:
     warnings.warn(f"checkpoint at {path} has no {MANIFEST} (written by jaxaccum before checkpoints carried "
@@ -413,7 +420,8 @@ def _mismatch(path: str, stored: dict, wanted: dict) -> str | None:
               f"(checkpoint leaves: {sorted(stored)[:8]}...)")
     if name not in wanted:
       return f"checkpoint at {path} does not match like: the checkpoint has a leaf at {name!r} that like lacks"
-    s, w = stored[name], _as_stored(wanted[name])
+    w = wanted[name] if hasattr(wanted[name], "dtype") else np.asarray(wanted[name])  # a Python scalar
+    s, w = stored[name], _as_stored(w)
     if tuple(s.shape) != tuple(w.shape) or np.dtype(s.dtype) != np.dtype(w.dtype):
       return (f"checkpoint at {path} does not match like at {name!r}: stored {s.dtype}{list(s.shape)}, "
               f"like {w.dtype}{list(w.shape)}")

@@ -308,3 +308,27 @@ def test_checkpoint_without_manifest_restores_with_a_warning(tmp_path):
   assert (tmp_path / "new" / ja.checkpoint.MANIFEST).is_file()
   ja.checkpoint.save(tmp_path / "new", jax.tree.map(lambda x: x + 1, params), overwrite=True)
   chex.assert_trees_all_equal(ja.checkpoint.restore(tmp_path / "new", params), jax.tree.map(lambda x: x + 1, params))
+
+
+def test_flax_trainstate_with_a_python_int_step_round_trips(tmp_path):
+  """flax's own TrainState.create sets step=0, a Python int: save took it, restore must too."""
+  from flax.training import train_state
+
+  params = mlp_init(jax.random.PRNGKey(0), (3, 4, 2))
+  state = train_state.TrainState.create(apply_fn=mlp_apply, params=params, tx=optax.adam(1e-2))
+  assert isinstance(state.step, int)
+  ja.checkpoint.save(tmp_path / "c", state)
+  restored = ja.checkpoint.restore(tmp_path / "c", like=state)
+  assert restored.step == 0
+  chex.assert_trees_all_equal(restored.params, state.params)
+  chex.assert_trees_all_equal(restored.opt_state, state.opt_state)
+  with pytest.raises(TypeError, match=r"like\['w'\] is a str \('x'\)"):
+    ja.checkpoint.restore(tmp_path / "c", like={"w": "x"})
+
+
+def test_saving_a_donated_array_names_the_leaf(tmp_path):
+  params = {"w": jnp.ones(3)}
+  jax.jit(lambda p: jax.tree.map(lambda x: 2 * x, p), donate_argnums=0)(params)
+  with pytest.raises(ValueError, match=r"tree\['w'\] has been deleted \(donated"):
+    ja.checkpoint.save(tmp_path / "c", params)
+  assert not os.path.exists(tmp_path / "c")
