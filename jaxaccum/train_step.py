@@ -266,7 +266,15 @@ def make_train_step(
     args = (diff_params,) + ((state,) if has_state else ()) + (batch,) + (() if key is None else (key,))
 
     def fun(*a):
-      value, grads = grad_fn(*a)
+      try:
+        value, grads = grad_fn(*a)
+      except TypeError as e:
+        if "scalar-output" not in str(e) or has_aux or has_state:
+          raise
+        raise TypeError(
+            f"loss_fn returned more than a scalar loss ({e}). If it returns (loss, aux), pass "
+            "make_train_step(..., has_aux=True); if it returns (loss, new_model_state), has_state=True "
+            "(loss_fn(params, state, batch)).") from None
       if has_state:  # checked here, before the state's reductions are matched against it
         new_state = value[1][0] if has_aux else value[1]
         _tree.check_same_structure(new_state, state, "the state loss_fn returned", "the state passed to the step")

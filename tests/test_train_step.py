@@ -580,3 +580,10 @@ def test_strategy_bad_input(problem):
     ja.make_train_step(loss_fn, optax.adam(1e-2), mesh=mesh, strategy="fsdp", has_state=True)
   with pytest.raises(ValueError, match=r"fsdp_gather='twice' is not one of"):
     ja.make_train_step(loss_fn, optax.adam(1e-2), mesh=mesh, strategy="fsdp", fsdp_gather="twice")
+
+
+def test_a_tuple_returned_without_has_aux_says_what_to_pass(problem):
+  params, loss_fn, data = problem
+  step = ja.make_train_step(lambda p, b: (loss_fn(p, b), {"n": 1.0}), optax.sgd(0.1), donate=False)
+  with pytest.raises(TypeError, match=r"has_aux=True.*has_state=True"):
+    step(params, optax.sgd(0.1).init(params), data)
