@@ -23,11 +23,17 @@ Data parallelism. With `axis_name`, each replica accumulates its own
 (sum w g, sum w) and the window's end all-reduces both once, so the result is
 the global weighted mean even when replicas saw different numbers of tokens:
 one all-reduce per update instead of one per micro-step.
+
+Noise scale. With `noise_scale_ema`, the same pass measures the gradient
+noise scale B_simple = tr(Sigma)/|G|^2 of McCandlish et al. (2018) from each
+window's microbatch gradients (see `jaxaccum.noise`): it tells how large the
+batch should be, and `ja.every_k_from_noise_scale` / `ja.adascale` act on it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Union
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +41,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxaccum import _tree
-from jaxaccum import parallel
+from jaxaccum import _tree, noise, parallel
 
-EveryK = Union[int, Callable[[jax.Array], Any]]
+EveryK = int | Callable[[jax.Array], Any]
 
 
 class AccumulateState(NamedTuple):
@@ -60,6 +65,10 @@ class AccumulateState(NamedTuple):
   num_skipped: jax.Array
   num_empty_windows: jax.Array  # int32 scalar: windows that ended with total weight 0 and applied nothing.
   updated: jax.Array  # bool scalar: the last call emitted a real update (see `has_updated`).
+  # With `noise_scale_ema`: the gradient noise statistics (a `ja.NoiseScaleState`,
+  # read by `ja.noise_scale`); None otherwise, so the state of a user who does
+  # not ask has the same leaves as without the option.
+  noise_stats: Any = None
 
 
 def _same_structure(tree, reference) -> bool:
@@ -73,7 +82,12 @@ def has_updated(state: AccumulateState) -> jax.Array:
   return state.updated
 
 
-def _check_every_k(every_k: EveryK) -> EveryK:
+def _check_every_k(every_k: EveryK, noise_scale_ema) -> EveryK:
+  if isinstance(every_k, noise.NoiseScaleEveryK):
+    if noise_scale_ema is None:
+      raise ValueError(
+          f"every_k={every_k!r} follows the measured noise scale: turn the measurement on with noise_scale_ema=")
+    return every_k
   if callable(every_k):
     # Probe with what `update` passes (an int32 array), so array-only schedules work.
     k0 = every_k(jnp.zeros([], jnp.int32))
@@ -127,6 +141,7 @@ def accumulate(
     accumulator_dtype: Any = None,
     comm_dtype: Any = None,
     skip_nonfinite: bool = False,
+    noise_scale_ema: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over `every_k` update calls, then applies `inner` once.
 
@@ -169,7 +184,10 @@ def accumulate(
       int` of completed updates (see `jaxaccum.schedules`). A schedule is read
       once per call; the window ends on the first call at which the number of
       microbatches reaches the schedule's value. A traced schedule value below 1
-      behaves as 1 (it cannot raise inside jit); a concrete one raises.
+      behaves as 1 (it cannot raise inside jit); a concrete one raises. Or
+      `ja.every_k_from_noise_scale(...)`: a window length that follows the
+      measured noise scale (needs `noise_scale_ema`), read from the state, so
+      it changes only at window ends and never recompiles.
     axis_name: inside `jax.pmap`/`jax.shard_map`, the data axis: each replica
       accumulates locally and the window end does one all-reduce of
       (sum w g, sum w), giving the global weighted mean. Under `jax.shard_map`,
@@ -178,9 +196,10 @@ def accumulate(
       by autodiff over replicated parameters raise a ValueError. The state is
       per device: between window ends `acc_grads` and `acc_weight` hold each
       device's own partial sums, and `num_skipped` counts each device's own
-      dropped microbatches. Keep the state with a leading device axis (pmap:
-      `in_axes=0, out_axes=0`; shard_map: those three fields sharded
-      `P(axis_name)`); the other fields agree across devices.
+      dropped microbatches (with `noise_scale_ema`, `noise_stats.acc_sq` and
+      `noise_stats.acc_count` are per device too). Keep the state with a
+      leading device axis (pmap: `in_axes=0, out_axes=0`; shard_map: those
+      fields sharded `P(axis_name)`); the other fields agree across devices.
     accumulator_dtype: dtype of the running sum. None: the wider of float32 and
       each gradient's dtype (bf16 -> float32, float64 stays float64).
     comm_dtype: dtype on the wire for the window-end all-reduce (e.g.
@@ -189,6 +208,22 @@ def accumulate(
       or Inf (its weight is not counted; `num_skipped` counts it). A window
       with nothing kept is an empty window (see above). Without it such a
       microbatch is added as it is: NaN reaches the update (the user's choice).
+    noise_scale_ema: None (off), or a decay in [0, 1): measure the gradient
+      noise scale of McCandlish et al. (2018) (see `jaxaccum.noise` for the
+      estimator and its derivation). Each window with K >= 2 microbatches of
+      weight > 0 (over all devices) gives unbiased estimates of |G|^2 and
+      tr(Sigma) from sum_i w_i |g_i|^2 and |sum_i w_i g_i / sum_i w_i|^2, with
+      the weights as batch sizes; their EMAs with this decay are in
+      `state.noise_stats`, read with `ja.noise_scale(state)`. A microbatch of
+      weight 0 or dropped does not count; a window with K < 2 leaves the
+      averages as they were. Cost: one squared norm per microbatch, fused
+      with the add, and scalars: under `axis_name` two scalars join the
+      all-reduce the window end does anyway (no extra collective). The
+      updates are the same bit for bit; `inner` additionally receives the
+      extra arguments `noise_scale=` (a `ja.NoiseScale`, this window
+      included) and `batch_weight=` (the window's total weight), which
+      optax's transformations ignore and `ja.adascale` uses. Off (None), the
+      state's `noise_stats` is None.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is an
@@ -201,10 +236,16 @@ def accumulate(
       grads tree that does not match the state (the leaves that differ are
       named), a state made by another optimizer's init, a weight that is not a
       real number, a concrete weight that is NaN, Inf or negative, or an
-      `axis_name` that is not bound.
+      `axis_name` that is not bound; `noise_scale_ema` not None and not a
+      float in [0, 1) (NaN included), or `every_k=ja.every_k_from_noise_scale(...)`
+      without it.
   """
   inner = _tree.check_optimizer(inner, "inner")
-  every_k = _check_every_k(every_k)
+  if noise_scale_ema is not None:
+    noise_scale_ema = noise.check_decay(noise_scale_ema)
+  tracking = noise_scale_ema is not None
+  ema_decay = 0.0 if noise_scale_ema is None else noise_scale_ema
+  every_k = _check_every_k(every_k, noise_scale_ema)
   if axis_name is not None:
     parallel.validate_axis_name(axis_name)
   if accumulator_dtype is not None:
@@ -234,9 +275,14 @@ def accumulate(
         num_skipped=jnp.zeros([], jnp.int32),
         num_empty_windows=jnp.zeros([], jnp.int32),
         updated=jnp.zeros([], jnp.bool_),
+        noise_stats=noise.init_state(weight_dtype) if tracking else None,
     )
 
-  def window_length(update_count):
+  def window_length(state):
+    update_count = state.update_count
+    if isinstance(every_k, noise.NoiseScaleEveryK):
+      # The averages change only at window ends, so k does too.
+      return every_k(noise.noise_scale(state.noise_stats))
     if not callable(every_k):
       return every_k
     k = every_k(update_count)
@@ -268,6 +314,12 @@ def accumulate(
       return jax.eval_shape(inner.init, grads)
     except Exception:  # noqa: BLE001 -- a diagnostic only: no verdict rather than a wrong one.
       return None
+
+  def noise_args(stats, batch_weight):
+    """The extra arguments `inner` gets when the noise scale is measured (`ja.adascale` reads them)."""
+    if not tracking:
+      return {}
+    return {"noise_scale": noise.noise_scale(stats), "batch_weight": batch_weight}
 
   def step(grads, state, params, weight, extra_args, apply: bool):
     """One microbatch. Returns (updates, state), or (new params, state) when `apply`.
@@ -325,8 +377,22 @@ def accumulate(
     if keep is not None:
       w = jnp.where(keep, w, jnp.zeros_like(w))
     acc_weight = jnp.where(new_window, jnp.zeros_like(w), state.acc_weight) + w
+    stats = state.noise_stats
+    if tracking:
+      # sum_i w_i |g_i|^2 and K, per device, reset lazily like acc_weight. The
+      # squared norm reads the same cast gradient as the add, so XLA fuses the two.
+      sq = jnp.zeros([], w.dtype)
+      for acc, g in zip(jax.tree.leaves(state.acc_grads), jax.tree.leaves(grads), strict=True):
+        g = g.astype(acc.dtype)
+        sq = sq + jnp.sum(g * g).astype(w.dtype)
+      counted = w > 0
+      sq = jnp.where(counted, w * sq, jnp.zeros_like(sq))  # a NaN gradient of weight 0: selected out.
+      stats = stats._replace(
+          acc_sq=jnp.where(new_window, jnp.zeros_like(sq), stats.acc_sq) + sq,
+          acc_count=jnp.where(new_window, jnp.zeros_like(stats.acc_count), stats.acc_count)
+          + counted.astype(stats.acc_count.dtype))
 
-    k = window_length(state.update_count)
+    k = window_length(state)
     single = isinstance(k, int) and k == 1
     # A window can end empty (total weight 0) only if some microbatch may not count;
     # a window-end call that counts by construction (weight 1) makes it non-empty.
@@ -337,7 +403,8 @@ def accumulate(
       # The dtypes `inner` gives its updates (trace time only), so that the zero
       # updates of a call that applies nothing have the same ones.
       update_shapes = jax.eval_shape(
-          lambda g, s, p: inner.update(g, s, p, **extra_args)[0], grads, state.inner_state, params)
+          lambda g, s, p, ns: inner.update(g, s, p, **extra_args, **noise_args(ns, acc_weight))[0],
+          grads, state.inner_state, params, stats)
 
     def idle(acc_grads, params):
       """What a call that applies nothing returns: zero updates, or the parameters as they are.
@@ -352,13 +419,28 @@ def accumulate(
 
     def emit(operands):
       """The window's end: all-reduce, mean, `inner`. Runs only in the taken branch."""
-      acc_grads, acc_weight, inner_state, params = operands
+      acc_grads, acc_weight, inner_state, params, stats = operands
       if axis_name is not None:
         # One psum of the pair; comm_dtype applies to the gradients only, since a
-        # token count in bf16 is exact only up to 256.
+        # token count in bf16 is exact only up to 256. The noise statistics' two
+        # scalars ride along with the weight: no extra collective.
         sent = _tree.cast_tree(acc_grads, comm_dtype)
-        sent, acc_weight = lax.psum((sent, acc_weight), axis_name)
+        scalars = acc_weight
+        if tracking:
+          scalars = jnp.stack([acc_weight, stats.acc_sq, stats.acc_count.astype(acc_weight.dtype)])
+        sent, scalars = lax.psum((sent, scalars), axis_name)
         acc_grads = _tree.cast_like(sent, acc_grads)
+        acc_weight = scalars[0] if tracking else scalars
+      if tracking:
+        if axis_name is not None:
+          window_sq, window_count = scalars[1], scalars[2]
+        else:
+          window_sq, window_count = stats.acc_sq, stats.acc_count
+        # |g|^2 of the window's mean, from the all-reduced sum: the same on every device.
+        safe = jnp.where(acc_weight > 0, acc_weight, jnp.ones_like(acc_weight))
+        mean_sq = noise.sq_norm(jax.tree.map(lambda a: a / safe.astype(a.dtype), acc_grads), acc_weight.dtype)
+        grad_sq, trace_cov, valid = noise.window_estimates(window_sq, acc_weight, mean_sq, window_count)
+        stats = noise.update_state(stats, grad_sq, trace_cov, valid, ema_decay)
 
       def apply_inner(operands):
         acc_grads, acc_weight, inner_state, params = operands
@@ -368,7 +450,7 @@ def accumulate(
           mean = grads
         else:
           mean = jax.tree.map(lambda a, g: (a / acc_weight.astype(a.dtype)).astype(g.dtype), acc_grads, grads)
-        updates, inner_state = inner.update(mean, inner_state, params, **extra_args)
+        updates, inner_state = inner.update(mean, inner_state, params, **extra_args, **noise_args(stats, acc_weight))
         return (optax.apply_updates(params, updates) if apply else updates), inner_state, jnp.asarray(True)
 
       def skip_inner(operands):
@@ -377,26 +459,28 @@ def accumulate(
 
       if may_be_empty:
         # Under axis_name the all-reduced total decides: the same on every device.
-        return parallel.cond(acc_weight > 0, apply_inner, skip_inner, (acc_grads, acc_weight, inner_state, params))
-      return apply_inner((acc_grads, acc_weight, inner_state, params))
+        out = parallel.cond(acc_weight > 0, apply_inner, skip_inner, (acc_grads, acc_weight, inner_state, params))
+      else:
+        out = apply_inner((acc_grads, acc_weight, inner_state, params))
+      return (*out, stats)
 
     def hold(operands):
       """A micro-step: `inner`'s state (and with `apply` the parameters) pass through untouched.
 
       Passed-through operands are aliased by XLA when the caller donates them: no copy.
       """
-      acc_grads, _, inner_state, params = operands
-      return idle(acc_grads, params), inner_state, jnp.asarray(False)
+      acc_grads, _, inner_state, params, stats = operands
+      return idle(acc_grads, params), inner_state, jnp.asarray(False), stats
 
-    operands = (acc_grads, acc_weight, state.inner_state, params)
+    operands = (acc_grads, acc_weight, state.inner_state, params, stats)
     if single:
-      out, inner_state, updated = emit(operands)
+      out, inner_state, updated, stats = emit(operands)
       is_last = jnp.asarray(True)
       micro_step = jnp.zeros_like(state.micro_step)
     else:
       micro_step = state.micro_step + 1
       is_last = micro_step >= k
-      out, inner_state, updated = parallel.cond(is_last, emit, hold, operands)
+      out, inner_state, updated, stats = parallel.cond(is_last, emit, hold, operands)
       micro_step = jnp.where(is_last, jnp.zeros_like(micro_step), micro_step)
     empty = is_last & jnp.logical_not(updated)
     return out, AccumulateState(
@@ -408,6 +492,7 @@ def accumulate(
         num_skipped=num_skipped,
         num_empty_windows=state.num_empty_windows + empty.astype(state.num_empty_windows.dtype),
         updated=updated,
+        noise_stats=stats,
     )
 
   def update(grads, state, params=None, *, weight=None, **extra_args):

@@ -1,13 +1,17 @@
 """ja.noise: the noise-scale estimator, AdaScale and the noise-driven window, against plain references."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from jaxaccum import noise
+import jaxaccum as ja
+from jaxaccum import _hlo, noise
 
 RTOL = 1e-12
 
@@ -311,3 +315,240 @@ def test_every_k_from_noise_scale_bad_input():
     noise.every_k_from_noise_scale(0, k_max=8)
   with pytest.raises(TypeError, match="microbatch_size"):
     noise.every_k_from_noise_scale("16", k_max=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# ja.accumulate(..., noise_scale_ema=beta).
+
+
+def plain_ema(values, decay):
+  """Bias-corrected EMA written out: sum_t decay^(n-1-t) (1-decay) x_t / (1 - decay^n)."""
+  n = len(values)
+  w = np.array([decay ** (n - 1 - t) * (1 - decay) for t in range(n)])
+  return float(np.dot(w, values) / (1 - decay ** n))
+
+
+def run_accumulate(tx, grads, sizes):
+  """Feeds grads (W, K, D) window by window (weights = sizes) through tx.update in one jitted scan."""
+  params = {"theta": jnp.zeros(D)}
+  b = jnp.asarray(sizes, jnp.float64)
+
+  @jax.jit
+  def run(grads):
+    def body(state, g_and_w):
+      g, w = g_and_w
+      _, state = tx.update({"theta": g}, state, params, weight=w)
+      return state, None
+    flat = grads.reshape(-1, D)
+    weights = jnp.tile(b, grads.shape[0])
+    return jax.lax.scan(body, tx.init(params), (flat, weights))[0]
+
+  return run(grads)
+
+
+@pytest.mark.parametrize("sizes", [[16] * 8, [3, 5, 8, 16, 32, 4, 40, 20]], ids=["equal", "unequal"])
+def test_accumulate_measures_the_synthetic_noise_scale(sizes):
+  g_true = jnp.full((D,), 1.0 / np.sqrt(D)).at[0].add(0.5)
+  grad_sq_true = float(jnp.sum(g_true ** 2))
+  grads = synthetic_microbatch_grads(jax.random.PRNGKey(1), 300, sizes, g_true)
+  tx = ja.accumulate(optax.set_to_zero(), len(sizes), noise_scale_ema=0.98)
+  state = run_accumulate(tx, grads, sizes)
+  measured = noise.noise_scale(state)
+  # Exactly the plainly written estimator and EMA...
+  ref_g2, ref_tr = plain_estimates(grads, sizes)
+  np.testing.assert_allclose(float(measured.grad_sq), plain_ema(ref_g2, 0.98), rtol=1e-10)
+  np.testing.assert_allclose(float(measured.trace_cov), plain_ema(ref_tr, 0.98), rtol=1e-10)
+  assert int(state.noise_stats.windows) == 300
+  # ...and within 10-15% of the truth: tr(Sigma) = D per example, |G|^2, B_simple in examples.
+  assert abs(float(measured.trace_cov) / D - 1) < 0.10
+  assert abs(float(measured.grad_sq) / grad_sq_true - 1) < 0.15
+  assert abs(float(measured.b_simple) / (D / grad_sq_true) - 1) < 0.15
+
+
+def _accumulate_trajectory(tx, params, steps, use_apply):
+  @jax.jit
+  def step(params, state, g, w):
+    if use_apply:
+      return tx.update.apply_gradients(g, state, params, weight=w)
+    updates, state = tx.update(g, state, params, weight=w)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  out = []
+  for g, w in steps:
+    params, state = step(params, state, g, w)
+    out.append(params)
+  return out, state
+
+
+@pytest.mark.parametrize("every_k,skip,use_apply", [(3, False, False), (3, True, True), (1, False, False)])
+def test_accumulate_updates_are_unchanged_bit_for_bit(every_k, skip, use_apply):
+  params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.zeros(3)}
+  keys = jax.random.split(jax.random.PRNGKey(7), 9)
+  steps = [(jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape), params), jnp.float64(1 + i % 4))
+           for i, k in enumerate(keys)]
+  steps[4] = (steps[4][0], jnp.float64(0.0))  # weight 0: adds nothing, does not count in K
+  if skip:
+    steps[5] = ({"w": steps[5][0]["w"].at[0, 0].set(jnp.nan), "b": steps[5][0]["b"]}, steps[5][1])
+  kwargs = dict(skip_nonfinite=skip)
+  plain, s_plain = _accumulate_trajectory(ja.accumulate(optax.adam(0.05), every_k, **kwargs), params, steps, use_apply)
+  tracked, s_tracked = _accumulate_trajectory(
+      ja.accumulate(optax.adam(0.05), every_k, noise_scale_ema=0.9, **kwargs), params, steps, use_apply)
+  chex.assert_trees_all_equal(tracked, plain)
+  assert s_plain.noise_stats is None
+  chex.assert_trees_all_equal(s_tracked._replace(noise_stats=None), s_plain)
+  if every_k == 3:  # with skip, the window (w=4, w=0, NaN) holds one counted microbatch: not measured
+    assert int(s_tracked.noise_stats.windows) == (2 if skip else 3)
+  else:  # one microbatch per window: nothing to measure
+    assert int(s_tracked.noise_stats.windows) == 0
+
+
+def test_accumulate_noise_counts_only_microbatches_of_weight_above_zero():
+  # Window of 4 calls, one of weight 0 with a NaN gradient: K = 3 and the NaN does not leak.
+  g = [jnp.array([1.0, 2.0]), jnp.array([0.5, -1.0]), jnp.array([jnp.nan, 0.0]), jnp.array([2.0, 0.25])]
+  b = [1.0, 2.0, 0.0, 3.0]
+  tx = ja.accumulate(optax.sgd(0.1), 4, noise_scale_ema=0.0)
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  for gi, bi in zip(g, b, strict=True):
+    _, state = tx.update({"w": gi}, state, params, weight=bi)
+  kept = [0, 1, 3]
+  ref_g2, ref_tr = plain_estimates(np.stack([g[i] for i in kept])[None], [b[i] for i in kept])
+  measured = noise.noise_scale(state)
+  np.testing.assert_allclose(float(measured.grad_sq), ref_g2[0], rtol=RTOL)
+  np.testing.assert_allclose(float(measured.trace_cov), ref_tr[0], rtol=RTOL)
+
+
+def test_accumulate_noise_on_8_devices_counts_every_microbatch_of_every_device():
+  n_dev, k, windows = 8, 2, 60
+  sizes = np.array([[3, 9], [4, 4], [8, 2], [5, 7], [6, 6], [1, 11], [10, 2], [7, 3]])  # (device, microbatch)
+  g_true = jnp.full((D,), 1.0 / np.sqrt(D)).at[0].add(0.5)
+  grads = synthetic_microbatch_grads(jax.random.PRNGKey(2), windows, sizes.reshape(-1), g_true)  # (W, 16, D)
+  grads = grads.reshape(windows, n_dev, k, D)
+  mesh = ja.data_mesh("data")
+  tx = ja.accumulate(optax.set_to_zero(), k, axis_name="data", noise_scale_ema=0.9)
+  params = {"theta": jnp.zeros(D)}
+
+  def per_device(state, f):
+    stats = state.noise_stats
+    return state._replace(acc_grads=jax.tree.map(f, state.acc_grads), acc_weight=f(state.acc_weight),
+                          num_skipped=f(state.num_skipped),
+                          noise_stats=stats._replace(acc_sq=f(stats.acc_sq), acc_count=f(stats.acc_count)))
+
+  state = per_device(tx.init(params), lambda a: jnp.stack([a] * n_dev))
+  spec = per_device(jax.tree.map(lambda _: P(), state), lambda _: P("data"))
+
+  def body(state, g, w):
+    _, state = tx.update({"theta": g[0]}, per_device(state, lambda a: a[0]), params, weight=w[0])
+    return per_device(state, lambda a: a[None])
+
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, P("data"), P("data")), out_specs=spec))
+  for w_i in range(windows):
+    for i in range(k):
+      state = step(state, grads[w_i, :, i], jnp.asarray(sizes[:, i], jnp.float64))
+  ref_g2, ref_tr = plain_estimates(grads.reshape(windows, n_dev * k, D), sizes.reshape(-1))
+  measured = noise.noise_scale(state)
+  np.testing.assert_allclose(np.asarray(measured.grad_sq), plain_ema(ref_g2, 0.9), rtol=1e-10)
+  np.testing.assert_allclose(np.asarray(measured.trace_cov), plain_ema(ref_tr, 0.9), rtol=1e-10)
+  assert abs(float(plain_ema(ref_tr, 0.9)) / D - 1) < 0.15
+
+
+def _all_reduces(hlo_text):
+  """(number of all-reduce instructions, total elements of their results) from compiled HLO."""
+  count, elements = 0, 0
+  for line in hlo_text.splitlines():
+    m = _hlo._INSTRUCTION.match(line)
+    if not m or _hlo._ALIASES.get(m.group(2), m.group(2)) != "all-reduce":
+      continue
+    count += 1
+    for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1)):
+      elements += int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+  return count, elements
+
+
+@pytest.mark.parametrize("comm_dtype", [None, jnp.float32], ids=["f64", "comm_f32"])
+def test_accumulate_noise_adds_no_collective(comm_dtype):
+  params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros(8)}
+
+  def hlo(noise_scale_ema):
+    tx = ja.accumulate(optax.adam(0.1), 4, axis_name="data", comm_dtype=comm_dtype, noise_scale_ema=noise_scale_ema)
+    step = jax.pmap(lambda g, s: tx.update(g, s, params, weight=2.0), axis_name="data", in_axes=(0, None))
+    g = jax.tree.map(lambda p: jnp.ones((8, *p.shape)), params)
+    return step.lower(g, tx.init(params)).compile().as_text()
+
+  plain, tracked = hlo(None), hlo(0.9)
+  n_plain, e_plain = _all_reduces(plain)
+  n_tracked, e_tracked = _all_reduces(tracked)
+  assert n_tracked == n_plain, (n_plain, n_tracked)
+  assert e_tracked == e_plain + 2, (e_plain, e_tracked)  # two scalars ride along: sum w|g|^2 and K
+  assert _hlo.locate(tracked, "all-reduce")["top"] == 0
+
+
+def test_every_k_from_noise_scale_grows_the_window_without_recompiling():
+  # theta moves towards mu with sgd: |G|^2 shrinks, B_simple grows, and so does k.
+  mu = jnp.full((D,), 0.2)
+  rule = noise.every_k_from_noise_scale(16, k_max=12, k_min=2)
+  tx = ja.accumulate(optax.sgd(0.2), rule, noise_scale_ema=0.5)
+  params = {"theta": jnp.full((D,), 2.0, jnp.float64)}  # not weak-typed: the output is not
+
+  @jax.jit
+  def step(params, state, key):
+    x = mu + jax.random.normal(key, (16, D))
+    grads = {"theta": params["theta"] - x.mean(0)}  # the gradient of 0.5 mean |theta - x_n|^2
+    updates, state = tx.update(grads, state, params, weight=16.0)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  lengths, current, micro_steps = [], 0, []
+  for key in jax.random.split(jax.random.PRNGKey(0), 400):
+    params, state = step(params, state, key)
+    current += 1
+    micro_steps.append(int(state.micro_step))
+    if bool(state.updated):
+      lengths.append(current)
+      current = 0
+  assert step._cache_size() == 1
+  assert lengths[0] == 2 and max(lengths) == 12 and len(set(lengths)) >= 4, lengths
+  # Each window's length is the rule's value at its start, computed from the state.
+  assert lengths[-1] == 12
+
+
+def test_adascale_inside_accumulate():
+  params = {"w": jnp.linspace(-1.0, 1.0, 4)}
+  keys = jax.random.split(jax.random.PRNGKey(9), 12)
+  steps = [({"w": jax.random.normal(k, (4,)) + 1.0}, jnp.float64(1 + i % 3)) for i, k in enumerate(keys)]
+  plain, _ = _accumulate_trajectory(ja.accumulate(optax.sgd(0.1, momentum=0.9), 4), params, steps, False)
+  ada1, _ = _accumulate_trajectory(
+      ja.accumulate(noise.adascale(optax.sgd(0.1, momentum=0.9), scale=1), 4, noise_scale_ema=0.5),
+      params, steps, False)
+  chex.assert_trees_all_equal(ada1, plain)
+  # scale=4: each window's update is r times sgd's, r from the averages including that window.
+  tx = ja.accumulate(noise.adascale(optax.sgd(0.1), scale=4), 4, noise_scale_ema=0.5)
+  state, p = tx.init(params), params
+  for i, (g, w) in enumerate(steps):
+    updates, state = tx.update(g, state, p, weight=w)
+    if i % 4 == 3:
+      measured = noise.noise_scale(state)
+      window_weight = sum(float(s[1]) for s in steps[i - 3:i + 1])
+      r = plain_gain(float(measured.grad_sq), float(measured.trace_cov), window_weight, 4.0)
+      window = steps[i - 3:i + 1]
+      mean = sum(float(s[1]) * np.asarray(s[0]["w"]) for s in window) / window_weight
+      np.testing.assert_allclose(updates["w"], -0.1 * r * mean, rtol=RTOL)
+      np.testing.assert_allclose(float(state.inner_state.gain), r, rtol=RTOL)
+    p = optax.apply_updates(p, updates)
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, float("nan"), 2])
+def test_accumulate_rejects_bad_noise_scale_ema(bad):
+  with pytest.raises(ValueError, match=r"noise_scale_ema=.* must be a float in \[0, 1\)"):
+    ja.accumulate(optax.sgd(0.1), 2, noise_scale_ema=bad)
+
+
+def test_accumulate_bad_noise_input():
+  with pytest.raises(TypeError, match="noise_scale_ema"):
+    ja.accumulate(optax.sgd(0.1), 2, noise_scale_ema="0.9")
+  with pytest.raises(ValueError, match="noise_scale_ema="):
+    ja.accumulate(optax.sgd(0.1), noise.every_k_from_noise_scale(8, k_max=4))
+  tx = ja.accumulate(optax.sgd(0.1), 2)
+  with pytest.raises(ValueError, match="noise_scale_ema"):
+    noise.noise_scale(tx.init({"w": jnp.zeros(2)}))
