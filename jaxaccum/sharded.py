@@ -459,18 +459,27 @@ def make_sharded_train_step(
     num_microbatches: K per device per step.
     has_aux, weight_fn: as `ja.make_train_step`.
     donate: donate `params` and `opt_state` to the outputs.
-    comm_dtype: dtype of the gradient on the wire (reduce-scatter and hsdp's
-      cross-replica all-reduce), e.g. `jnp.bfloat16`; accumulation stays in
-      float32 or wider, the optimizer sees the accumulator's dtype. Parameter
-      all-gathers always move the parameters' own dtype.
+    comm_dtype: dtype of the gradient on the wire (reduce-scatters, ddp's
+      all-reduce, hsdp's cross-replica all-reduce, and the all-reduce of the
+      leaves too small to shard), e.g. `jnp.bfloat16`; accumulation stays in
+      float32 or wider, the optimizer sees the accumulator's dtype; the weight
+      and loss sums stay wide. With fsdp_gather="per_microbatch" each
+      microbatch's gradient is rounded to it once before it is accumulated.
+      Parameter all-gathers always move the parameters' own dtype.
     fsdp_gather: fsdp/hsdp only: "per_microbatch" (memory-lean: gather and
       reduce-scatter per microbatch) or "once" (comm-lean: one gather and one
       reduce-scatter per step, costing one full parameter copy and one full
       accumulator per device).
 
   Returns:
-    A step with `.lower(params, opt_state, batch[, key])`. A step whose total
-    weight is 0 (or not finite) leaves `params` and `opt_state` unchanged.
+    A step with `.lower(params, opt_state, batch[, key])`. `metrics` holds
+    `"loss"` (and `"aux"` with `has_aux`: weighted means over microbatches
+    and devices), `"total_weight"` (the sum of all weights; P K by default)
+    and `"applied"`, as `ja.make_train_step`'s. A step whose total weight is 0
+    (an all-padding batch: loss 0) or NaN (some weight negative or not finite)
+    leaves `params` and `opt_state` unchanged bit for bit. A `key` reaches
+    `loss_fn` as `fold_in(fold_in(key, d), i)` for microbatch i of device d
+    (the device's position in the batch's row order).
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn={loss_fn!r} must be callable")
@@ -550,7 +559,9 @@ class _ShardedStep:
         out_specs=(grad_out, PartitionSpec()))(params, batch, key)
 
     total = metrics.pop("weight")
+    # NaN (an invalid weight somewhere) compares False too.
     ok = jnp.isfinite(total) & (total > 0)
+    metrics.update(total_weight=total, applied=ok)
     # The optimizer on the globally shaped, data-sharded gradient, state and parameter slice.
     piece = jax.tree.map(lambda x, lay: _place(x, mesh, lay.opt_spec), params, layouts)
     updates, new_state = self.optimizer.update(grads, opt_state, piece)
@@ -620,6 +631,8 @@ class _ShardedStep:
       key = jax.random.fold_in(key, lax.axis_index(axes if len(axes) > 1 else axes[0]))
     grad_fn = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
     full_params = gather(params) if not self.lean else None
+    # The dtype weights are summed in (float32 at least, float64 with float64 parameters).
+    wdtype = _tree.widest([_tree.accumulator_dtype(x.dtype) for x in jax.tree.leaves(params)])
 
     def one(mb, i):
       """Microbatch i: (weighted gradient leaves, local or scattered; w; w * value)."""
@@ -637,6 +650,9 @@ class _ShardedStep:
       if w.shape != ():
         raise ValueError(f"weight_fn must return a scalar, got shape {w.shape}")
       w = _vary(w, axes)
+      # A negative or non-finite weight makes the total NaN: the step is skipped (as
+      # make_train_step does), so no wrongly weighted gradient reaches the parameters.
+      w_total = jnp.where(jnp.isfinite(w) & (w >= 0), w.astype(wdtype), jnp.full((), jnp.nan, wdtype))
 
       def weigh(x):
         dtype = _tree.accumulator_dtype(x.dtype)
@@ -647,7 +663,7 @@ class _ShardedStep:
       if self.lean:
         g = scatter(g)
       value = jax.tree.map(lambda v: _vary(weigh(v), axes), value)
-      return g, w, value
+      return g, w_total, value
 
     size_b = jnp.shape(jax.tree.leaves(batch)[0])[0]
     if k == 1:
@@ -666,36 +682,40 @@ class _ShardedStep:
         g, w, v = one(take(i), i)
         acc, wsum, vsum = carry
         acc = [a + b for a, b in zip(acc, g, strict=True)]
-        wsum = wsum + w.astype(wsum.dtype)
+        wsum = wsum + w
         vsum = jax.tree.map(jnp.add, vsum, v)
         return (acc, wsum, vsum), None
 
       (acc, wsum, vsum), _ = lax.scan(body, zeros, jnp.arange(k))
-    wdtype = _tree.widest([_tree.accumulator_dtype(x.dtype) for x in jax.tree.leaves(params)])
-    wsum = wsum.astype(wdtype)
     if not self.lean:
       acc = scatter(acc)
 
     # The small sums (scalars and leaves replicated over the shard axis) and the sharded
     # gradient blocks; hsdp all-reduces across replicas once, everything in one instruction.
+    # Gradient leaves go on the wire in comm_dtype; the weight and loss sums stay wide.
     small_idx = [j for j in range(len(acc)) if j not in sharded_idx or axis is None]
-    small = ([acc[j] for j in small_idx], wsum, vsum)
+    on_wire = lambda xs: [x.astype(wire) if wire is not None else x for x in xs]
+    small = (on_wire([acc[j] for j in small_idx]), wsum, vsum)
     blocks = [acc[j] for j in sharded_idx] if axis is not None else []
     if plan.replica_axis is None:
       small = lax.psum(small, axes if len(axes) > 1 else axes[0])
     else:
       small = lax.psum(small, axis)
-      sent = [b.astype(wire) if wire is not None else b for b in blocks]
-      small, sent = lax.psum((small, sent), plan.replica_axis)
+      small, sent = lax.psum((small, on_wire(blocks)), plan.replica_axis)
       blocks = [s.astype(b.dtype) for s, b in zip(sent, blocks, strict=True)]
     small_leaves, total, vtotal = small
     out = list(acc)
     for j, x in zip(small_idx, small_leaves, strict=True):
-      out[j] = x
+      out[j] = x.astype(acc[j].dtype)
     for j, b in zip(sharded_idx if axis is not None else [], blocks, strict=True):
       out[j] = b
     grads = jax.tree.unflatten(treedef, [(x / total.astype(x.dtype)) for x in out])
-    value = jax.tree.map(lambda v: v / total.astype(v.dtype), vtotal)
+
+    def mean(v):
+      t = total.astype(v.dtype)
+      return jnp.where(t == 0, jnp.zeros((), v.dtype), v / t)
+
+    value = jax.tree.map(mean, vtotal)
     if self.has_aux:
       loss, aux = value
       metrics = {"loss": loss, "aux": aux, "weight": total}
