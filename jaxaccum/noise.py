@@ -111,8 +111,15 @@ def check_decay(decay, name: str = "noise_scale_ema") -> float:
 
 def init_state(dtype: Any = jnp.float32) -> NoiseScaleState:
   """Empty running averages in `dtype` (no window measured yet)."""
-  zero, none = jnp.zeros([], dtype), jnp.zeros([], jnp.int32)
-  return NoiseScaleState(windows=none, norm=zero, grad_sq=zero, trace_cov=zero, acc_sq=zero, acc_count=none)
+  # A fresh array per field: a state whose leaves share one buffer cannot be donated.
+  return NoiseScaleState(
+      windows=jnp.zeros([], jnp.int32),
+      norm=jnp.zeros([], dtype),
+      grad_sq=jnp.zeros([], dtype),
+      trace_cov=jnp.zeros([], dtype),
+      acc_sq=jnp.zeros([], dtype),
+      acc_count=jnp.zeros([], jnp.int32),
+  )
 
 
 def sq_norm(tree, dtype: Any) -> jax.Array:

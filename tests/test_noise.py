@@ -1,5 +1,6 @@
 """ja.noise: the noise-scale estimator, AdaScale and the noise-driven window, against plain references."""
 
+import functools
 import re
 
 import chex
@@ -552,3 +553,22 @@ def test_accumulate_bad_noise_input():
   tx = ja.accumulate(optax.sgd(0.1), 2)
   with pytest.raises(ValueError, match="noise_scale_ema"):
     noise.noise_scale(tx.init({"w": jnp.zeros(2)}))
+
+
+def test_accumulate_state_with_noise_tracking_can_be_donated():
+  # Every leaf its own buffer: XLA refuses to donate one buffer twice.
+  params = {"w": jnp.ones(3)}
+  tx = ja.accumulate(optax.adam(0.1), 2, noise_scale_ema=0.9)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, g):
+    updates, state = tx.update(g, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  ids = [id(x) for x in jax.tree.leaves(state)]
+  assert len(set(ids)) == len(ids)
+  p = params
+  for i in range(4):
+    p, state = step(p, state, {"w": jnp.arange(3.0) * i})
+  assert int(state.noise_stats.windows) == 2
