@@ -16,8 +16,11 @@ import numpy as np
 MODES = ("accumulate", "microbatch", "data-parallel")
 
 
-def parse_args(doc: str, *, steps: int = 30, batch_size: int = 64, k: int = 4, lr: float = 3e-3):
+def parse_args(doc: str, *, steps: int = 30, batch_size: int = 64, k: int = 4, lr: float = 3e-3, extra=None):
+  """The flags every example takes; `extra(parser)` adds an example's own."""
   parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+  if extra is not None:
+    extra(parser)
   parser.add_argument("--mode", choices=MODES + ("all",), default="all",
                       help="accumulate: ja.accumulate over K calls; microbatch: ja.microbatch in one step; "
                            "data-parallel: ja.make_train_step over --devices devices; all: the three (default)")

@@ -32,18 +32,9 @@ import numpy as np
 PAD = 0  # byte b is token b + 1
 
 
-def parse():
-  import argparse  # noqa: PLC0415
-  import sys  # noqa: PLC0415
-
-  extra = argparse.ArgumentParser(add_help=False)
-  extra.add_argument("--seq-len", type=int, default=64, help="longest sequence in bytes (default 64)")
-  extra.add_argument("--width", type=int, default=32, help="model width (default 32)")
-  known, rest = extra.parse_known_args()
-  sys.argv[1:] = rest
-  args = common.parse_args(__doc__ + "\n  --seq-len N (default 64), --width N (default 32)", batch_size=64, k=4)
-  args.seq_len, args.width = known.seq_len, known.width
-  return args
+def own_flags(parser):
+  parser.add_argument("--seq-len", type=int, default=64, help="longest sequence in bytes (default 64)")
+  parser.add_argument("--width", type=int, default=32, help="model width (default 32)")
 
 
 def load_corpus(seq_len: int, rows: int) -> np.ndarray:
@@ -63,7 +54,7 @@ def load_corpus(seq_len: int, rows: int) -> np.ndarray:
   return tokens
 
 
-args = parse()
+args = common.parse_args(__doc__, extra=own_flags)
 jax = common.setup(args)
 
 import jax.numpy as jnp  # noqa: E402
