@@ -95,7 +95,7 @@ def _make_plan(strategy, mesh, data_axis) -> _Plan:
       raise ValueError(
           f"strategy='hsdp' needs data_axis=(replica_axis, shard_axis), two different mesh axis names; "
           f"got {data_axis=}")
-    axes = data_axis
+    axes: tuple[str, ...] = data_axis
   else:
     if not isinstance(data_axis, str) or not data_axis:
       raise ValueError(f"{strategy=} needs data_axis to be one mesh axis name (a string); got {data_axis=}")
@@ -530,6 +530,15 @@ class _ShardedStep:
     return fn
 
   def __call__(self, params, opt_state, batch, key=None):
+    # A donated (deleted) buffer reaching XLA on a multi-device mesh segfaults (jax 0.10): refuse it here.
+    for name, tree in (("params", params), ("opt_state", opt_state), ("batch", batch), ("key", key)):
+      for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+          raise ValueError(
+              f"{name}{jax.tree_util.keystr(path)} was deleted: it was donated to a previous call of this step "
+              "(donate=True gives the buffers of params and opt_state to the outputs). Use the step's outputs "
+              "for the next call, rebind: params, opt_state, metrics = step(params, opt_state, batch), or build "
+              "the step with donate=False.")
     return self._jitted(params, opt_state)(params, opt_state, batch, key)
 
   def lower(self, params, opt_state, batch, key=None):

@@ -186,3 +186,26 @@ def test_ddp_sends_comm_dtype():
   want = jax.tree.map(lambda x, g: x - 0.1 * g, params, grads)
   chex.assert_trees_all_close(jax.device_get(got), want, rtol=1e-6, atol=1e-8)
   assert jax.tree.leaves(got)[0].dtype == jnp.float64
+
+
+def test_donated_arguments_raise_instead_of_crashing():
+  """Passing the params/opt_state a donating step consumed is a ValueError naming the leaf (before: XLA got
+  deleted buffers and the process died with a segmentation fault on the 8-device mesh)."""
+  import optax  # noqa: PLC0415
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  from jaxaccum import sharded  # noqa: PLC0415
+
+  mesh, opt = _mesh8(), optax.adam(0.1)
+  params, batch = worker.problem()
+  placed = jax.device_put({"x": batch["x"][:32], "y": batch["y"][:32], "w": np.ones(32)},
+                          NamedSharding(mesh, P("data")))
+  p, s = sharded.shard_train_state(params, opt, mesh, strategy="zero1")
+  step = sharded.make_sharded_train_step(_masked_loss, opt, strategy="zero1", mesh=mesh)
+  new_p, new_s, _ = step(p, s, placed)
+  with pytest.raises(ValueError, match=r"params\[0\]\['b'\] was deleted: it was donated"):
+    step(p, new_s, placed)
+  with pytest.raises(ValueError, match=r"opt_state.* was deleted"):
+    step(new_p, s, placed)
+  step(new_p, new_s, placed)  # the outputs are fine
