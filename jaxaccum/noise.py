@@ -220,6 +220,37 @@ def noise_scale(state) -> NoiseScale:
   return NoiseScale(b_simple=trace_cov / grad_sq, grad_sq=grad_sq, trace_cov=trace_cov)
 
 
+def step_estimate(grad_sq, trace_cov, valid) -> NoiseScale:
+  """One window's (or one step's) raw estimates as a `NoiseScale`; NaN where not `valid`."""
+  nan = jnp.full_like(grad_sq, jnp.nan)
+  grad_sq = jnp.where(valid, grad_sq, nan)
+  trace_cov = jnp.where(valid, trace_cov, nan)
+  return NoiseScale(b_simple=trace_cov / grad_sq, grad_sq=grad_sq, trace_cov=trace_cov)
+
+
+def noise_scale_smooth(ema: NoiseScaleState | None, estimate: NoiseScale, decay: float) -> NoiseScaleState:
+  """Folds one step's raw estimate (e.g. `make_train_step`'s `metrics["noise_scale"]`) into an EMA.
+
+  Start from `ema=None`; read the smoothed, bias-corrected values with
+  `ja.noise_scale(ema)`. An estimate with a NaN (fewer than two microbatches
+  of weight > 0) leaves the EMA unchanged. Works inside and outside jit.
+
+  Args:
+    ema: the previous `NoiseScaleState`, or None to start.
+    estimate: a `NoiseScale` of raw per-step estimates.
+    decay: the EMA decay, a float in [0, 1).
+  """
+  decay = check_decay(decay, "decay")
+  if not isinstance(estimate, NoiseScale):
+    raise TypeError(f"estimate must be a ja.NoiseScale, got {type(estimate).__name__}")
+  grad_sq, trace_cov = jnp.asarray(estimate.grad_sq), jnp.asarray(estimate.trace_cov)
+  if ema is None:
+    ema = init_state(jnp.result_type(grad_sq, trace_cov, jnp.float32))
+  valid = jnp.isfinite(grad_sq) & jnp.isfinite(trace_cov)
+  zero = jnp.zeros_like(grad_sq)
+  return update_state(ema, jnp.where(valid, grad_sq, zero), jnp.where(valid, trace_cov, zero), valid, decay)
+
+
 # --------------------------------------------------------------------------------------------
 # AdaScale.
 

@@ -36,8 +36,8 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxaccum import _tree
-from jaxaccum import parallel
+from jaxaccum import _tree, parallel
+from jaxaccum import noise as _noise
 from jaxaccum.microbatch import _check_reductions, _leaf_reductions, check_binds, leading_size, microbatch
 
 _CLOSURE_HINT = (
@@ -89,7 +89,8 @@ class TrainStep:
 
 
 def _sharded_step(loss_fn, optimizer, *, num_microbatches, mesh, data_axis, has_aux, weight_fn, donate,
-                  aux_reductions, has_state, state_reductions, grad_norms, strategy, comm_dtype, fsdp_gather):
+                  aux_reductions, has_state, state_reductions, grad_norms, strategy, comm_dtype, fsdp_gather,
+                  noise_scale=False):
   """make_train_step for a sharded strategy (or ddp with a wire dtype): `jaxaccum.sharded` builds it."""
   from jaxaccum import sharded  # sharded imports only _tree and parallel: no cycle
 
@@ -97,7 +98,7 @@ def _sharded_step(loss_fn, optimizer, *, num_microbatches, mesh, data_axis, has_
     raise ValueError(f"{strategy=} must be one of {sharded.STRATEGIES}")
   if mesh is None:
     raise ValueError(f"{strategy=} (or comm_dtype/fsdp_gather) needs a mesh: make_train_step(..., mesh=...)")
-  for name, value in (("has_state", has_state), ("grad_norms", grad_norms)):
+  for name, value in (("has_state", has_state), ("grad_norms", grad_norms), ("noise_scale", noise_scale)):
     if value is not False:
       raise ValueError(f"{name}={value!r} is not supported with {strategy=} yet (only with strategy='ddp')")
   for name, value in (("aux_reductions", aux_reductions), ("state_reductions", state_reductions)):
@@ -125,6 +126,7 @@ def make_train_step(
     strategy: str = "ddp",
     comm_dtype: Any = None,
     fsdp_gather: str = "per_microbatch",
+    noise_scale: bool = False,
 ):
   r"""Returns a jitted `step(params, opt_state, batch, key=None) -> (params, opt_state, metrics)`.
 
@@ -204,6 +206,14 @@ def make_train_step(
     fsdp_gather: "fsdp"/"hsdp" only: "per_microbatch" (memory-lean) or "once"
       (comm-lean: one parameter all-gather per step instead of K, at the cost
       of one full parameter copy and one full accumulator per device).
+    noise_scale: also return `metrics["noise_scale"]`, a `ja.NoiseScale` of
+      this step's unbiased estimates of |G|^2 and tr(Sigma) (and their ratio
+      B_simple) from its P K microbatches (see `jaxaccum.noise`; NaN when
+      fewer than 2 microbatches have weight > 0). Cost: one squared norm per
+      microbatch; two scalars join the gradient's all-reduce. One step's
+      estimate is noisy: smooth it across steps with
+      `ema = ja.noise_scale_smooth(ema, metrics["noise_scale"], decay)`
+      (start from `ema = None`) and read `ja.noise_scale(ema)`.
 
   Returns:
     A `jax.jit`-wrapped step (`.lower(...)` works). `metrics` holds
@@ -221,12 +231,13 @@ def make_train_step(
     return _sharded_step(loss_fn, optimizer, num_microbatches=num_microbatches, mesh=mesh, data_axis=data_axis,
                          has_aux=has_aux, weight_fn=weight_fn, donate=donate, aux_reductions=aux_reductions,
                          has_state=has_state, state_reductions=state_reductions, grad_norms=grad_norms,
-                         strategy=strategy, comm_dtype=comm_dtype, fsdp_gather=fsdp_gather)
+                         strategy=strategy, comm_dtype=comm_dtype, fsdp_gather=fsdp_gather,
+                         noise_scale=noise_scale)
   if not hasattr(optimizer, "update") or not hasattr(optimizer, "init"):
     raise TypeError(f"optimizer={optimizer!r} must be an optax GradientTransformation")
   k = _tree.check_positive_int(num_microbatches, "num_microbatches")
   for name, value in (("has_aux", has_aux), ("donate", donate), ("has_state", has_state),
-                      ("grad_norms", grad_norms)):
+                      ("grad_norms", grad_norms), ("noise_scale", noise_scale)):
     if not isinstance(value, bool):
       raise TypeError(f"{name}={value!r} must be a bool")
   if weight_fn is not None and not callable(weight_fn):
@@ -279,6 +290,9 @@ def make_train_step(
         new_state = value[1][0] if has_aux else value[1]
         _tree.check_same_structure(new_state, state, "the state loss_fn returned", "the state passed to the step")
       out = (value, grads, optax.tree.norm(grads)) if grad_norms else (value, grads)
+      if noise_scale:  # |g_i|^2 (a weighted mean: S1) and 1 (a sum over microbatches of weight > 0: K)
+        wide = _tree.widest(_tree.accumulator_dtype(x.dtype) for x in jax.tree.leaves(grads))
+        out = (*out, _noise.sq_norm(grads, wide), jnp.ones([], wide))
       # The parameters are varying, so the gradients are per device by construction;
       # a loss or aux that is the same on every device (a constant) is then fine too.
       return out if axis is None else parallel.to_varying(out, axis)
@@ -292,7 +306,7 @@ def make_train_step(
     value_red = "mean"
     if has_state or has_aux:
       value_red = ("mean", (state_red, aux_red) if has_state and has_aux else state_red if has_state else aux_red)
-    reductions = (value_red, "mean") + (("concat",) if grad_norms else ())
+    reductions = (value_red, "mean") + (("concat",) if grad_norms else ()) + (("mean", "sum") if noise_scale else ())
     out, total = microbatch(
         fun, k, batch_argnums=nbatch, weight_fn=weight_fn, key_argnum=None if key is None else nbatch + 1,
         axis_name=axis, reductions=reductions, return_total_weight=True)(*args)
@@ -324,6 +338,12 @@ def make_train_step(
     metrics.update(total_weight=total, applied=applied)
     if grad_norms:
       metrics["grad_norms"] = out[2]
+    if noise_scale:
+      s1, count = out[-2], out[-1]
+      # |g|^2 of the all-reduced mean: the same on every device, no collective.
+      mean_sq = _noise.sq_norm(grads, s1.dtype)
+      grad_sq, trace_cov, valid = _noise.window_estimates(s1 * total.astype(s1.dtype), total, mean_sq, count)
+      metrics["noise_scale"] = _noise.step_estimate(grad_sq, trace_cov, valid)
     return params, state, opt_state, metrics
 
   def step(params, state, opt_state, batch, key=None):

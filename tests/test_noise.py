@@ -572,3 +572,53 @@ def test_accumulate_state_with_noise_tracking_can_be_donated():
   for i in range(4):
     p, state = step(p, state, {"w": jnp.arange(3.0) * i})
   assert int(state.noise_stats.windows) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# make_train_step(..., noise_scale=True).
+
+
+def test_make_train_step_noise_scale_metrics_on_8_devices():
+  n_dev, k, rows = 8, 2, 6  # 16 microbatches of 6 rows over the mesh, 96 rows in all
+  mu = jnp.linspace(-0.5, 0.5, D)
+
+  def loss_fn(params, x):
+    return 0.5 * jnp.mean(jnp.sum((params["theta"] - x) ** 2, axis=-1))
+
+  step = ja.make_train_step(loss_fn, optax.sgd(0.1), num_microbatches=k, mesh=ja.data_mesh("data"),
+                            noise_scale=True, donate=False)
+  x = mu + jax.random.normal(jax.random.PRNGKey(3), (n_dev * k * rows, D))
+  params = {"theta": jnp.zeros(D)}
+  _, _, metrics = step(params, optax.sgd(0.1).init(params), ja.shard_batch(x, ja.data_mesh("data")))
+  # The plain reference: device p holds rows p*R..(p+1)*R-1, its microbatch i the rows i, i+k, ... of those.
+  per_device = np.asarray(x).reshape(n_dev, k * rows, D)
+  grads = np.stack([np.asarray(params["theta"]) - per_device[p, i::k].mean(0) for p in range(n_dev) for i in range(k)])
+  # Equal weights (1 per microbatch): tr(Sigma) per microbatch, so compare with sizes 1.
+  ref_g2, ref_tr = plain_estimates(grads[None], [1] * (n_dev * k))
+  measured = metrics["noise_scale"]
+  np.testing.assert_allclose(float(measured.grad_sq), ref_g2[0], rtol=1e-10)
+  np.testing.assert_allclose(float(measured.trace_cov), ref_tr[0], rtol=1e-10)
+  # Smoothed across steps with noise_scale_smooth, read with noise_scale.
+  ema = noise.noise_scale_smooth(None, measured, 0.9)
+  ema = noise.noise_scale_smooth(ema, noise.NoiseScale(*[jnp.asarray(jnp.nan)] * 3), 0.9)  # NaN: unchanged
+  np.testing.assert_allclose(float(noise.noise_scale(ema).trace_cov), ref_tr[0], rtol=1e-10)
+
+
+def test_make_train_step_noise_scale_bad_input():
+  with pytest.raises(TypeError, match="noise_scale"):
+    ja.make_train_step(lambda p, b: jnp.mean(b), optax.sgd(0.1), noise_scale=1)
+
+
+def test_make_train_step_noise_scale_adds_no_collective():
+  def loss_fn(params, x):
+    return 0.5 * jnp.mean(jnp.sum((params["theta"] - x) ** 2, axis=-1))
+
+  params = {"theta": jnp.zeros(D)}
+  x = ja.shard_batch(jnp.ones((32, D)), ja.data_mesh("data"))
+  counts = []
+  for flag in (False, True):
+    step = ja.make_train_step(loss_fn, optax.sgd(0.1), num_microbatches=2, mesh=ja.data_mesh("data"),
+                              noise_scale=flag, donate=False)
+    counts.append(_all_reduces(step.lower(params, optax.sgd(0.1).init(params), x).compile().as_text()))
+  assert counts[1][0] == counts[0][0], counts
+  assert counts[1][1] == counts[0][1] + 2, counts
