@@ -21,15 +21,23 @@ def parse_args(doc: str, *, steps: int = 30, batch_size: int = 64, k: int = 4, l
   parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
   if extra is not None:
     extra(parser)
-  parser.add_argument("--mode", choices=MODES + ("all",), default="all",
-                      help="accumulate: ja.accumulate over K calls; microbatch: ja.microbatch in one step; "
-                           "data-parallel: ja.make_train_step over --devices devices; all: the three (default)")
+  parser.add_argument(
+    "--mode",
+    choices=MODES + ("all",),
+    default="all",
+    help="accumulate: ja.accumulate over K calls; microbatch: ja.microbatch in one step; "
+    "data-parallel: ja.make_train_step over --devices devices; all: the three (default)",
+  )
   parser.add_argument("--steps", type=int, default=steps, help=f"optimizer updates (default {steps})")
   parser.add_argument("--batch-size", type=int, default=batch_size, help=f"the large batch (default {batch_size})")
   parser.add_argument("--k", type=int, default=k, help=f"microbatches per update (default {k})")
   parser.add_argument("--lr", type=float, default=lr, help=f"adam learning rate (default {lr})")
-  parser.add_argument("--devices", type=int, default=8,
-                      help="CPU devices to simulate for data-parallel (default 8; a GPU/TPU uses what it has)")
+  parser.add_argument(
+    "--devices",
+    type=int,
+    default=8,
+    help="CPU devices to simulate for data-parallel (default 8; a GPU/TPU uses what it has)",
+  )
   parser.add_argument("--x64", action="store_true", help="float64: the differences shrink to ~1e-16")
   args = parser.parse_args()
   for name in ("steps", "batch_size", "k", "devices"):
@@ -49,8 +57,10 @@ def setup(args):
   if args.x64:
     jax.config.update("jax_enable_x64", True)
   if "data-parallel" in args.modes and args.batch_size % (jax.device_count() * args.k):
-    raise SystemExit(f"--batch-size={args.batch_size} must be divisible by {jax.device_count()} devices "
-                     f"times --k={args.k} for data-parallel")
+    raise SystemExit(
+      f"--batch-size={args.batch_size} must be divisible by {jax.device_count()} devices "
+      f"times --k={args.k} for data-parallel"
+    )
   return jax
 
 
@@ -86,11 +96,13 @@ def max_rel_diff(tree, reference) -> float:
 
 
 def report(mode: str, diff: float, loss: float, against: str = "the full-batch run", extra: str = "") -> None:
-  print(f"{mode:<14} max relative difference from {against}: {diff:.1e}   (last loss {loss:.4f}{extra})",
-        flush=True)
+  print(f"{mode:<14} max relative difference from {against}: {diff:.1e}   (last loss {loss:.4f}{extra})", flush=True)
 
 
 def header(name: str, args, jax) -> None:
   dtype = "float64" if args.x64 else "float32"
-  print(f"{name}: {args.steps} adam updates of batch {args.batch_size}, K={args.k} microbatches, {dtype}, "
-        f"{jax.device_count()} {jax.default_backend()} devices", flush=True)
+  print(
+    f"{name}: {args.steps} adam updates of batch {args.batch_size}, K={args.k} microbatches, {dtype}, "
+    f"{jax.device_count()} {jax.default_backend()} devices",
+    flush=True,
+  )

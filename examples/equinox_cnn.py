@@ -66,6 +66,7 @@ def arrays(model):
 
 def full_batch():
   """The reference: one plain optax step per batch."""
+
   @eqx.filter_jit
   def step(model, opt_state, batch):
     loss, grads = eqx.filter_value_and_grad(loss_fn)(model, batch)
@@ -116,8 +117,9 @@ def data_parallel():
   # make_train_step differentiates its first argument: give it the arrays, keep the rest static.
   params, static = eqx.partition(model0, eqx.is_array)
   mesh = ja.data_mesh()
-  step = ja.make_train_step(lambda params, batch: loss_fn(eqx.combine(params, static), batch), adam,
-                            num_microbatches=K, mesh=mesh)
+  step = ja.make_train_step(
+    lambda params, batch: loss_fn(eqx.combine(params, static), batch), adam, num_microbatches=K, mesh=mesh
+  )
   params, opt_state = ja.replicate((params, adam.init(params)), mesh)
   for batch in batches:
     params, opt_state, metrics = step(params, opt_state, ja.shard_batch(batch, mesh))

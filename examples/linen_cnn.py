@@ -61,6 +61,7 @@ AUX_REDUCTIONS = {"logits": "concat", "correct": "sum"}
 
 def full_batch():
   """The reference: one plain optax step per batch."""
+
   @jax.jit
   def step(params, opt_state, batch):
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
@@ -75,8 +76,9 @@ def full_batch():
 
 def accumulate():
   # What a loader that yields microbatches does: K calls per update; state.step counts updates.
-  state = ja.flax.TrainState.create(apply_fn=model.apply, params=jax.tree.map(jnp.copy, params0),
-                                    tx=ja.accumulate(adam, K))  # copied: the step donates the state
+  state = ja.flax.TrainState.create(
+    apply_fn=model.apply, params=jax.tree.map(jnp.copy, params0), tx=ja.accumulate(adam, K)
+  )  # copied: the step donates the state
 
   @functools.partial(jax.jit, donate_argnums=0)
   def step(state, micro):
@@ -112,8 +114,7 @@ def microbatch():
 
 def data_parallel():
   mesh = ja.data_mesh()
-  step = ja.make_train_step(loss_fn, adam, num_microbatches=K, mesh=mesh, has_aux=True,
-                            aux_reductions=AUX_REDUCTIONS)
+  step = ja.make_train_step(loss_fn, adam, num_microbatches=K, mesh=mesh, has_aux=True, aux_reductions=AUX_REDUCTIONS)
   params, opt_state = ja.replicate((params0, adam.init(params0)), mesh)
   for batch in batches:
     params, opt_state, metrics = step(params, opt_state, ja.shard_batch(batch, mesh))

@@ -124,6 +124,7 @@ def accumulate():
     def loss_fn(model):
       logits = model(micro["image"], key)
       return optax.softmax_cross_entropy_with_integer_labels(logits, micro["label"]).mean()
+
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)  # a micro-step puts the window-start statistics back
     return loss
@@ -154,8 +155,11 @@ def device_groups(t, batch):
   """Device p holds the p-th block of rows; its microbatch i rows i, i+K, ... of it, key fold_in(fold_in(., p), i)."""
   n, p_count = len(batch["label"]), jax.device_count()
   block = n // p_count
-  return [(p * block + jnp.arange(i, block, K), jax.random.fold_in(jax.random.fold_in(step_key(t), p), i))
-          for p in range(p_count) for i in range(K)]
+  return [
+    (p * block + jnp.arange(i, block, K), jax.random.fold_in(jax.random.fold_in(step_key(t), p), i))
+    for p in range(p_count)
+    for i in range(K)
+  ]
 
 
 def data_parallel():
@@ -169,8 +173,11 @@ def data_parallel():
   return (params, stats), metrics["loss"]
 
 
-MODES = {"accumulate": (accumulate, counted_groups), "microbatch": (microbatch, strided_groups),
-         "data-parallel": (data_parallel, device_groups)}
+MODES = {
+  "accumulate": (accumulate, counted_groups),
+  "microbatch": (microbatch, strided_groups),
+  "data-parallel": (data_parallel, device_groups),
+}
 
 common.header("nnx CNN (BatchNorm, Dropout)", args, jax)
 for mode in args.modes:

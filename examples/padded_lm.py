@@ -66,6 +66,7 @@ import jaxaccum as ja  # noqa: E402
 
 class CausalLM(nn.Module):
   """One pre-LayerNorm transformer block. Right padding: with a causal mask a real position never sees a pad."""
+
   width: int
   dtype: type
 
@@ -77,13 +78,14 @@ class CausalLM(nn.Module):
     # No attention biases: the key bias's true gradient is exactly 0 (softmax ignores a shift), and
     # Adam would scale its rounding noise up to full-size steps.
     x = x + nn.MultiHeadDotProductAttention(num_heads=2, use_bias=False, **kw)(
-        nn.LayerNorm(**kw)(x), mask=nn.make_causal_mask(tokens))
+      nn.LayerNorm(**kw)(x), mask=nn.make_causal_mask(tokens)
+    )
     x = x + nn.Dense(self.width, **kw)(nn.gelu(nn.Dense(4 * self.width, **kw)(nn.LayerNorm(**kw)(x))))
     return nn.Dense(257, **kw)(nn.LayerNorm(**kw)(x))
 
 
 tokens = load_corpus(args.seq_len, args.steps * args.batch_size)
-batches = [{"tokens": tokens[t * args.batch_size:(t + 1) * args.batch_size]} for t in range(args.steps)]
+batches = [{"tokens": tokens[t * args.batch_size : (t + 1) * args.batch_size]} for t in range(args.steps)]
 model = CausalLM(args.width, common.float_dtype(args))
 params0 = model.init(jax.random.key(0), tokens[:1, :-1])["params"]
 adam = optax.adam(args.lr)
@@ -105,6 +107,7 @@ def loss_fn(params, batch):
 
 def full_batch():
   """The reference: one plain optax step on the masked mean over the whole batch."""
+
   @jax.jit
   def step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -120,12 +123,13 @@ def full_batch():
 def chunks(batch):
   """K consecutive slices, as a loader yielding microbatches gives them; token counts differ."""
   m = args.batch_size // K
-  return [jax.tree.map(lambda x: x[i * m:(i + 1) * m], batch) for i in range(K)]
+  return [jax.tree.map(lambda x: x[i * m : (i + 1) * m], batch) for i in range(K)]
 
 
 def accumulate():
-  state = ja.flax.TrainState.create(apply_fn=model.apply, params=jax.tree.map(jnp.copy, params0),
-                                    tx=ja.accumulate(adam, K))
+  state = ja.flax.TrainState.create(
+    apply_fn=model.apply, params=jax.tree.map(jnp.copy, params0), tx=ja.accumulate(adam, K)
+  )
 
   @functools.partial(jax.jit, donate_argnums=0)
   def step(state, micro):
@@ -172,8 +176,9 @@ def gradient_errors(sort_by_length: bool):
   ja.accumulate(weight=tokens) the token-weighted mean.
   """
   grad_fn = jax.jit(jax.grad(loss_fn))
-  norm = lambda tree: float(jnp.sqrt(sum(jnp.sum(x.astype(jnp.float64 if args.x64 else jnp.float32) ** 2)
-                                         for x in jax.tree.leaves(tree))))
+  norm = lambda tree: float(
+    jnp.sqrt(sum(jnp.sum(x.astype(jnp.float64 if args.x64 else jnp.float32) ** 2) for x in jax.tree.leaves(tree)))
+  )
   txs = {"optax.MultiSteps": optax.MultiSteps(optax.sgd(1.0), K), "ja.accumulate": ja.accumulate(optax.sgd(1.0), K)}
   updaters = {name: jax.jit(tx.update) for name, tx in txs.items()}
   errors = {name: [] for name in txs}
@@ -192,14 +197,20 @@ def gradient_errors(sort_by_length: bool):
 
 common.header("padded char LM", args, jax)
 per_row = (tokens[:, 1:] != PAD).sum(1)
-print(f"corpus: {len(tokens)} lines of the stdlib's source, {per_row.min()}-{per_row.max()} real tokens per row "
-      f"(mean {per_row.mean():.1f} of {args.seq_len})", flush=True)
+print(
+  f"corpus: {len(tokens)} lines of the stdlib's source, {per_row.min()}-{per_row.max()} real tokens per row "
+  f"(mean {per_row.mean():.1f} of {args.seq_len})",
+  flush=True,
+)
 reference, _ = full_batch()
 for mode in args.modes:
   params, loss = {"accumulate": accumulate, "microbatch": microbatch, "data-parallel": data_parallel}[mode]()
   common.report(mode, common.max_rel_diff(params, reference), float(loss))
 for sort_by_length, label in [(False, "loaded order"), (True, "sorted by length")]:
   errors = gradient_errors(sort_by_length)
-  print(f"gradient after K={K} microbatches vs the full batch ({label}): optax.MultiSteps (mean of means) "
-        f"{100 * errors['optax.MultiSteps']:.2f}% off, ja.accumulate (token-weighted) "
-        f"{errors['ja.accumulate']:.1e}", flush=True)
+  print(
+    f"gradient after K={K} microbatches vs the full batch ({label}): optax.MultiSteps (mean of means) "
+    f"{100 * errors['optax.MultiSteps']:.2f}% off, ja.accumulate (token-weighted) "
+    f"{errors['ja.accumulate']:.1e}",
+    flush=True,
+  )

@@ -19,14 +19,15 @@ import numpy as np
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\(")
 _HEADER = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLED = re.compile(
-    r"\b(body|condition|to_apply|calls|true_computation|false_computation|branch_computations)="
-    r"(\{[^}]*\}|%?[\w.\-]+)")
+  r"\b(body|condition|to_apply|calls|true_computation|false_computation|branch_computations)="
+  r"(\{[^}]*\}|%?[\w.\-]+)"
+)
 
 # Async collectives are split into -start/-done pairs; count each start once.
 _ALIASES = {
-    "all-reduce-start": "all-reduce",
-    "all-gather-start": "all-gather",
-    "collective-permute-start": "collective-permute",
+  "all-reduce-start": "all-reduce",
+  "all-gather-start": "all-gather",
+  "collective-permute-start": "collective-permute",
 }
 
 
@@ -101,16 +102,28 @@ def locate(hlo_text: str, opcode: str = "all-reduce") -> collections.Counter:
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
 _BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+  "c64": 8,
+  "c128": 16,
 }
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
 _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[0-9,\s]*\},?\s*)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 
 
-class Collective(collections.namedtuple(
-    "Collective", "opcode where groups result_bytes operand_bytes ring_bytes")):
+class Collective(collections.namedtuple("Collective", "opcode where groups result_bytes operand_bytes ring_bytes")):
   """One collective instruction of a compiled module.
 
   `where`: "top", "loop" or "branch" as in `locate`. `groups`: a frozenset of
@@ -177,7 +190,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
     if not m:
       continue
     opcode = m.group(2)
-    called = []
+    called: list[tuple[str, str]] = []
     for kind, target in _CALLED.findall(line):
       names = target.strip("{}").split(",")
       called.extend((kind, n.strip().lstrip("%")) for n in names if n.strip())
@@ -191,7 +204,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       return
     seen.add((name, context))
     for opcode, result, line, called in computations[name]:
-      base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
+      base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
       if base in COLLECTIVES and not opcode.endswith("-done"):
         out = _ARRAY.findall(result)
         # An async start returns (operands..., results...): the result is the last array.

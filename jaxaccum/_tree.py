@@ -49,9 +49,11 @@ def dtype_of(x) -> jnp.dtype:
 
 def cast_like(tree, like):
   """Casts every leaf of `tree` to the dtype of the matching leaf of `like` (Python scalars included)."""
+
   def cast(x, y):
     x, dtype = jnp.asarray(x), dtype_of(y)
     return x.astype(dtype) if x.dtype != dtype else x
+
   return jax.tree.map(cast, tree, like)
 
 
@@ -83,7 +85,7 @@ def check_positive_int(value, name: str) -> int:
 def check_same_structure(tree, reference, name: str, reference_name: str) -> None:
   """Raises a ValueError when `tree` does not have the structure and shapes of `reference`."""
   td, rd = jax.tree.structure(tree), jax.tree.structure(reference)
-  if td != rd:
+  if td != rd:  # type: ignore[operator]  # jaxlib types PyTreeDef loosely
     # Name the user's leaves where the two differ; the treedefs only when the
     # leaf paths agree (a container type differs, e.g. a tuple for a list).
     paths, ref_paths = leaf_paths(tree), leaf_paths(reference)
@@ -98,13 +100,15 @@ def check_same_structure(tree, reference, name: str, reference_name: str) -> Non
         parts.append(f"{name} lacks the leaves {_first(missing)} that {reference_name} has")
       raise ValueError(f"{name} does not match {reference_name}: " + "; ".join(parts))
     raise ValueError(
-        f"{name} does not match {reference_name}: same leaves, other containers: tree structure {td} != {rd}")
-  for path_and_leaf, ref in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(reference)):
+      f"{name} does not match {reference_name}: same leaves, other containers: tree structure {td} != {rd}"
+    )
+  for path_and_leaf, ref in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(reference), strict=False):
     path, leaf = path_and_leaf
     if jnp.shape(leaf) != jnp.shape(ref):
       raise ValueError(
-          f"{name} does not match {reference_name} at {jax.tree_util.keystr(path)}: "
-          f"shape {jnp.shape(leaf)} != {jnp.shape(ref)}")
+        f"{name} does not match {reference_name} at {jax.tree_util.keystr(path)}: "
+        f"shape {jnp.shape(leaf)} != {jnp.shape(ref)}"
+      )
 
 
 def _first(items, n: int = 6) -> str:
@@ -130,10 +134,11 @@ def check_optimizer(value, name: str = "inner"):
       takes_lr = False
     example = f"{shown}(1e-3)" if takes_lr else f"{shown}(...)"
     raise TypeError(
-        f"{name}={shown} is a function that makes an optimizer, not an optimizer: call it: {name}={example}")
+      f"{name}={shown} is a function that makes an optimizer, not an optimizer: call it: {name}={example}"
+    )
   raise TypeError(
-      f"{name}={value!r} must be an optax GradientTransformation (e.g. optax.adam(1e-3)), "
-      f"got {type(value).__name__}")
+    f"{name}={value!r} must be an optax GradientTransformation (e.g. optax.adam(1e-3)), got {type(value).__name__}"
+  )
 
 
 def describe(tree, depth: int = 2) -> str:

@@ -72,7 +72,7 @@ class AccumulateState(NamedTuple):
 
 
 def _same_structure(tree, reference) -> bool:
-  return reference is None or jax.tree.structure(tree) == jax.tree.structure(reference)
+  return reference is None or bool(jax.tree.structure(tree) == jax.tree.structure(reference))  # type: ignore[operator]
 
 
 def has_updated(state: AccumulateState) -> jax.Array:
@@ -86,7 +86,8 @@ def _check_every_k(every_k: EveryK, noise_scale_ema) -> EveryK:
   if isinstance(every_k, noise.NoiseScaleEveryK):
     if noise_scale_ema is None:
       raise ValueError(
-          f"every_k={every_k!r} follows the measured noise scale: turn the measurement on with noise_scale_ema=")
+        f"every_k={every_k!r} follows the measured noise scale: turn the measurement on with noise_scale_ema="
+      )
     return every_k
   if callable(every_k):
     # Probe with what `update` passes (an int32 array), so array-only schedules work.
@@ -123,8 +124,11 @@ def _check_weight(weight):
     raise TypeError(f"weight={given!r} must be a real number, got {type(given).__name__}") from None
   if weight.ndim != 0:
     raise ValueError(f"weight must be a scalar, got shape {weight.shape}")
-  if (not jnp.issubdtype(weight.dtype, jnp.number) or weight.dtype == jnp.bool_
-      or jnp.issubdtype(weight.dtype, jnp.complexfloating)):
+  if (
+    not jnp.issubdtype(weight.dtype, jnp.number)
+    or weight.dtype == jnp.bool_
+    or jnp.issubdtype(weight.dtype, jnp.complexfloating)
+  ):
     raise TypeError(f"weight={given!r} must be a real number, got dtype {weight.dtype}")
   if _tree.is_concrete(weight):
     value = float(weight)
@@ -134,14 +138,14 @@ def _check_weight(weight):
 
 
 def accumulate(
-    inner: optax.GradientTransformation,
-    every_k: EveryK,
-    *,
-    axis_name: str | tuple[str, ...] | None = None,
-    accumulator_dtype: Any = None,
-    comm_dtype: Any = None,
-    skip_nonfinite: bool = False,
-    noise_scale_ema: float | None = None,
+  inner: optax.GradientTransformation,
+  every_k: EveryK,
+  *,
+  axis_name: str | tuple[str, ...] | None = None,
+  accumulator_dtype: Any = None,
+  comm_dtype: Any = None,
+  skip_nonfinite: bool = False,
+  noise_scale_ema: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over `every_k` update calls, then applies `inner` once.
 
@@ -264,18 +268,19 @@ def accumulate(
     # zeros_like, not zeros(shape): the accumulator takes each parameter's
     # sharding (eager, and inside jit where it is known, e.g. Explicit axes).
     acc_grads = jax.tree.map(
-        lambda p: jnp.zeros_like(p, dtype=_tree.accumulator_dtype(_tree.dtype_of(p), accumulator_dtype)), params)
+      lambda p: jnp.zeros_like(p, dtype=_tree.accumulator_dtype(_tree.dtype_of(p), accumulator_dtype)), params
+    )
     weight_dtype = _tree.widest(x.dtype for x in jax.tree.leaves(acc_grads))
     return AccumulateState(
-        micro_step=jnp.zeros([], jnp.int32),
-        update_count=jnp.zeros([], jnp.int32),
-        acc_grads=acc_grads,
-        acc_weight=jnp.zeros([], weight_dtype),
-        inner_state=inner.init(params),
-        num_skipped=jnp.zeros([], jnp.int32),
-        num_empty_windows=jnp.zeros([], jnp.int32),
-        updated=jnp.zeros([], jnp.bool_),
-        noise_stats=noise.init_state(weight_dtype) if tracking else None,
+      micro_step=jnp.zeros([], jnp.int32),
+      update_count=jnp.zeros([], jnp.int32),
+      acc_grads=acc_grads,
+      acc_weight=jnp.zeros([], weight_dtype),
+      inner_state=inner.init(params),
+      num_skipped=jnp.zeros([], jnp.int32),
+      num_empty_windows=jnp.zeros([], jnp.int32),
+      updated=jnp.zeros([], jnp.bool_),
+      noise_stats=noise.init_state(weight_dtype) if tracking else None,
     )
 
   def window_length(state):
@@ -300,13 +305,15 @@ def accumulate(
       if expected is not None and _same_structure(state, expected):
         hint = ": that is the state of `inner` itself; pass the state from this accumulate's init(params)"
       raise TypeError(
-          f"state must be an AccumulateState (made by this accumulate's init(params){holding}), "
-          f"got {_tree.describe(state)}{hint}")
+        f"state must be an AccumulateState (made by this accumulate's init(params){holding}), "
+        f"got {_tree.describe(state)}{hint}"
+      )
     if expected is not None and not _same_structure(state.inner_state, expected):
       raise TypeError(
-          f"state.inner_state does not match inner: inner.init gives {_tree.describe(expected)}, the state "
-          f"holds {_tree.describe(state.inner_state)} (a state made by another optimizer's init? pass the "
-          f"state from this accumulate's init(params))")
+        f"state.inner_state does not match inner: inner.init gives {_tree.describe(expected)}, the state "
+        f"holds {_tree.describe(state.inner_state)} (a state made by another optimizer's init? pass the "
+        f"state from this accumulate's init(params))"
+      )
 
   def _expected_inner_state(grads):
     """The shape of `inner.init`'s state (trace time only), or None when it cannot be traced here."""
@@ -388,9 +395,10 @@ def accumulate(
       counted = w > 0
       sq = jnp.where(counted, w * sq, jnp.zeros_like(sq))  # a NaN gradient of weight 0: selected out.
       stats = stats._replace(
-          acc_sq=jnp.where(new_window, jnp.zeros_like(sq), stats.acc_sq) + sq,
-          acc_count=jnp.where(new_window, jnp.zeros_like(stats.acc_count), stats.acc_count)
-          + counted.astype(stats.acc_count.dtype))
+        acc_sq=jnp.where(new_window, jnp.zeros_like(sq), stats.acc_sq) + sq,
+        acc_count=jnp.where(new_window, jnp.zeros_like(stats.acc_count), stats.acc_count)
+        + counted.astype(stats.acc_count.dtype),
+      )
 
     k = window_length(state)
     single = isinstance(k, int) and k == 1
@@ -403,8 +411,12 @@ def accumulate(
       # The dtypes `inner` gives its updates (trace time only), so that the zero
       # updates of a call that applies nothing have the same ones.
       update_shapes = jax.eval_shape(
-          lambda g, s, p, ns: inner.update(g, s, p, **extra_args, **noise_args(ns, acc_weight))[0],
-          grads, state.inner_state, params, stats)
+        lambda g, s, p, ns: inner.update(g, s, p, **extra_args, **noise_args(ns, acc_weight))[0],
+        grads,
+        state.inner_state,
+        params,
+        stats,
+      )
 
     def idle(acc_grads, params):
       """What a call that applies nothing returns: zero updates, or the parameters as they are.
@@ -484,15 +496,15 @@ def accumulate(
       micro_step = jnp.where(is_last, jnp.zeros_like(micro_step), micro_step)
     empty = is_last & jnp.logical_not(updated)
     return out, AccumulateState(
-        micro_step=micro_step,
-        update_count=state.update_count + updated.astype(state.update_count.dtype),
-        acc_grads=acc_grads,
-        acc_weight=acc_weight,
-        inner_state=inner_state,
-        num_skipped=num_skipped,
-        num_empty_windows=state.num_empty_windows + empty.astype(state.num_empty_windows.dtype),
-        updated=updated,
-        noise_stats=stats,
+      micro_step=micro_step,
+      update_count=state.update_count + updated.astype(state.update_count.dtype),
+      acc_grads=acc_grads,
+      acc_weight=acc_weight,
+      inner_state=inner_state,
+      num_skipped=num_skipped,
+      num_empty_windows=state.num_empty_windows + empty.astype(state.num_empty_windows.dtype),
+      updated=updated,
+      noise_stats=stats,
     )
 
   def update(grads, state, params=None, *, weight=None, **extra_args):
@@ -513,6 +525,6 @@ def accumulate(
 
   # Tagged with its own `update`: a wrapper made with functools.wraps copies the
   # attribute, and must not have its own update bypassed (see `ja.flax`).
-  apply_gradients.update = update
-  update.apply_gradients = apply_gradients
+  setattr(apply_gradients, "update", update)  # noqa: B010  (function attributes: setattr keeps mypy quiet)
+  setattr(update, "apply_gradients", apply_gradients)  # noqa: B010
   return optax.GradientTransformationExtraArgs(init, update)

@@ -184,8 +184,15 @@ def _leaf_ranges(path: str, names) -> list[dict]:
     if not os.path.isfile(os.path.join(path, file)):
       return []
     digest, read = _file_sha256(os.path.join(path, file), offset, length)
-    out.append({"file": file, "offset": offset, "length": length, "sha256": digest if read == length else None,
-                "leaves": sorted(leaves)})
+    out.append(
+      {
+        "file": file,
+        "offset": offset,
+        "length": length,
+        "sha256": digest if read == length else None,
+        "leaves": sorted(leaves),
+      }
+    )
   return out
 
 
@@ -198,8 +205,13 @@ def _write_manifest(path: str, leaves: dict) -> None:
   for rel in _files(path):
     digest, size = _file_sha256(os.path.join(path, rel))
     files[rel] = {"sha256": digest, "size": size}
-  body = {"format": _FORMAT, "version": _VERSION, "files": files, "leaves": leaves,
-          "ranges": _leaf_ranges(path, list(leaves))}
+  body = {
+    "format": _FORMAT,
+    "version": _VERSION,
+    "files": files,
+    "leaves": leaves,
+    "ranges": _leaf_ranges(path, list(leaves)),
+  }
   with open(os.path.join(path, MANIFEST), "w") as f:
     json.dump({**body, "sha256": _manifest_body_sha256(body)}, f, sort_keys=True)
     f.flush()
@@ -239,14 +251,19 @@ def save(path, tree, *, overwrite: bool = False) -> None:
   _sync("jaxaccum_checkpoint_save_start")
   for key_path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if isinstance(leaf, jax.Array) and leaf.is_deleted():
-      raise ValueError(f"tree{jax.tree_util.keystr(key_path)} has been deleted (donated to a jitted step?): "
-                       "save the arrays the step returned, e.g. params, opt_state, metrics = step(...)")
+      raise ValueError(
+        f"tree{jax.tree_util.keystr(key_path)} has been deleted (donated to a jitted step?): "
+        "save the arrays the step returned, e.g. params, opt_state, metrics = step(...)"
+      )
   leaves = {}
   for name, leaf in _flat(tree).items():
     value = _host_value(leaf)
     stored = _as_stored(_abstract(leaf if hasattr(leaf, "dtype") else np.asarray(leaf)))  # a Python scalar
-    leaves[name] = {"dtype": str(np.dtype(stored.dtype)), "shape": list(stored.shape),
-                    "sha256": None if value is None else _digest(value)}
+    leaves[name] = {
+      "dtype": str(np.dtype(stored.dtype)),
+      "shape": list(stored.shape),
+      "sha256": None if value is None else _digest(value),
+    }
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(tmp, tree, force=True)
     checkpointer.wait_until_finished()
@@ -267,8 +284,10 @@ def _abstract(x, path=()):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy arrays and scalars
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
-  raise TypeError(f"like{jax.tree_util.keystr(tuple(path))} is a {type(x).__name__} ({x!r}); restore needs arrays, "
-                  "Python scalars or jax.ShapeDtypeStruct leaves")
+  raise TypeError(
+    f"like{jax.tree_util.keystr(tuple(path))} is a {type(x).__name__} ({x!r}); restore needs arrays, "
+    "Python scalars or jax.ShapeDtypeStruct leaves"
+  )
 
 
 def _as_stored(abstract):
@@ -280,8 +299,9 @@ def _as_stored(abstract):
 
 def _damaged(path: str, what: str) -> CheckpointCorruptedError:
   return CheckpointCorruptedError(
-      f"checkpoint at {path} is damaged: {what}. restore read no array from it and left every file as it "
-      "was; restore an earlier checkpoint (or save again from a state you trust)")
+    f"checkpoint at {path} is damaged: {what}. restore read no array from it and left every file as it "
+    "was; restore an earlier checkpoint (or save again from a state you trust)"
+  )
 
 
 def _read_manifest(path: str) -> dict | None:
@@ -295,8 +315,10 @@ def _read_manifest(path: str) -> dict | None:
     if manifest.get("format") != _FORMAT or manifest.get("sha256") != _manifest_body_sha256(body):
       raise ValueError("checksum")
     if manifest["version"] > _VERSION:
-      raise CheckpointCorruptedError(f"checkpoint at {path} was written by a newer jaxaccum (manifest version "
-                                     f"{manifest['version']}); upgrade jaxaccum to restore it")
+      raise CheckpointCorruptedError(
+        f"checkpoint at {path} was written by a newer jaxaccum (manifest version "
+        f"{manifest['version']}); upgrade jaxaccum to restore it"
+      )
   except CheckpointCorruptedError:
     raise
   except (ValueError, UnicodeDecodeError, KeyError, TypeError):
@@ -316,20 +338,28 @@ def _verify_files(path: str, manifest: dict) -> None:
     else:
       digest, size = _file_sha256(file)
       if size != want["size"]:
-        problem = f"is {'truncated' if size < want['size'] else 'longer than written'} ({size} bytes, save " \
-                  f"wrote {want['size']})"
+        problem = (
+          f"is {'truncated' if size < want['size'] else 'longer than written'} ({size} bytes, save "
+          f"wrote {want['size']})"
+        )
       elif digest != want["sha256"]:
         problem = "differs from what save wrote (sha256 mismatch)"
       else:
         continue
     held = ranges.get(rel, [])
     if held:
-      hit = [r for r in held if not os.path.isfile(file)
-             or _file_sha256(file, r["offset"], r["length"]) != (r["sha256"], r["length"])]
+      hit = [
+        r
+        for r in held
+        if not os.path.isfile(file) or _file_sha256(file, r["offset"], r["length"]) != (r["sha256"], r["length"])
+      ]
       leaves = sorted({leaf for r in (hit or held) for leaf in r["leaves"]})
       shown = ", ".join(repr(leaf) for leaf in leaves[:8]) + (f" and {len(leaves) - 8} more" if len(leaves) > 8 else "")
-      what = f"array data file {rel!r} {problem}; the damaged data belongs to leaf {shown}" if len(leaves) == 1 \
-          else f"array data file {rel!r} {problem}; it holds the data of leaves {shown}"
+      what = (
+        f"array data file {rel!r} {problem}; the damaged data belongs to leaf {shown}"
+        if len(leaves) == 1
+        else f"array data file {rel!r} {problem}; it holds the data of leaves {shown}"
+      )
     elif rel.startswith("d" + os.sep) or (os.sep + "d" + os.sep) in rel:
       what = f"orbax data file {rel!r} {problem}"
     else:
@@ -348,9 +378,10 @@ def _verify_values(path: str, manifest: dict, restored) -> None:
       continue
     if _digest(value) != want["sha256"]:
       raise CheckpointCorruptedError(
-          f"checkpoint at {path} is damaged: leaf {name!r} was restored with values that differ from those "
-          "saved (sha256 of its values mismatch) although its files match their checksums; do not use this "
-          "restored state")
+        f"checkpoint at {path} is damaged: leaf {name!r} was restored with values that differ from those "
+        "saved (sha256 of its values mismatch) although its files match their checksums; do not use this "
+        "restored state"
+      )
 
 
 def restore(path, like):
@@ -385,9 +416,12 @@ def restore(path, like):
   abstract = jax.tree_util.tree_map_with_path(lambda p, x: _abstract(x, p), like)
   manifest = _read_manifest(path)
   if manifest is None:
-    warnings.warn(f"checkpoint at {path} has no {MANIFEST} (written by jaxaccum before checkpoints carried "
-                  "checksums, or by plain orbax): restoring it without verifying its data",
-                  UnverifiedCheckpointWarning, stacklevel=2)
+    warnings.warn(
+      f"checkpoint at {path} has no {MANIFEST} (written by jaxaccum before checkpoints carried "
+      "checksums, or by plain orbax): restoring it without verifying its data",
+      UnverifiedCheckpointWarning,
+      stacklevel=2,
+    )
   else:
     _verify_files(path, manifest)
   problem, restored = None, None
@@ -403,8 +437,10 @@ def restore(path, like):
         if "structure" not in str(e):
           raise
         # orbax's message suggests restore options (partial_restore=...) that ja.checkpoint.restore does not take.
-        problem = (f"checkpoint at {path} does not match like: the same leaves sit in other containers (e.g. the "
-                   f"state of another optimizer); checkpoint leaves: {sorted(stored)[:8]}")
+        problem = (
+          f"checkpoint at {path} does not match like: the same leaves sit in other containers (e.g. the "
+          f"state of another optimizer); checkpoint leaves: {sorted(stored)[:8]}"
+        )
   # Raised outside the checkpointer's context, so that its shutdown runs first.
   if problem is not None:
     raise ValueError(problem)
@@ -416,13 +452,17 @@ def restore(path, like):
 def _mismatch(path: str, stored: dict, wanted: dict) -> str | None:
   for name in sorted(set(stored) | set(wanted)):
     if name not in stored:
-      return (f"checkpoint at {path} does not match like: like has a leaf at {name!r} that the checkpoint lacks "
-              f"(checkpoint leaves: {sorted(stored)[:8]}...)")
+      return (
+        f"checkpoint at {path} does not match like: like has a leaf at {name!r} that the checkpoint lacks "
+        f"(checkpoint leaves: {sorted(stored)[:8]}...)"
+      )
     if name not in wanted:
       return f"checkpoint at {path} does not match like: the checkpoint has a leaf at {name!r} that like lacks"
     w = wanted[name] if hasattr(wanted[name], "dtype") else np.asarray(wanted[name])  # a Python scalar
     s, w = stored[name], _as_stored(w)
     if tuple(s.shape) != tuple(w.shape) or np.dtype(s.dtype) != np.dtype(w.dtype):
-      return (f"checkpoint at {path} does not match like at {name!r}: stored {s.dtype}{list(s.shape)}, "
-              f"like {w.dtype}{list(w.shape)}")
+      return (
+        f"checkpoint at {path} does not match like at {name!r}: stored {s.dtype}{list(s.shape)}, "
+        f"like {w.dtype}{list(w.shape)}"
+      )
   return None

@@ -20,16 +20,19 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(prog="python -m jaxaccum.demo", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    prog="python -m jaxaccum.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--steps", type=int, default=200, help="optimizer updates per method (default 200)")
   parser.add_argument("--batch-size", type=int, default=128, help="the large batch (default 128)")
   parser.add_argument("--k", type=int, default=4, help="microbatches per update (default 4)")
-  parser.add_argument("--devices", type=int, default=8,
-                      help="devices for the data-parallel run; simulated on CPU (default 8)")
+  parser.add_argument(
+    "--devices", type=int, default=8, help="devices for the data-parallel run; simulated on CPU (default 8)"
+  )
   parser.add_argument("--lr", type=float, default=3e-3, help="adam learning rate (default 3e-3)")
   parser.add_argument("--out", default="jaxaccum_demo_loss.png", help="where to save the loss plot")
   parser.add_argument("--x64", action="store_true", help="float64 (differences then shrink to ~1e-15)")
@@ -105,16 +108,17 @@ def main(argv=None) -> int:
     m = compiled.memory_analysis()
     if m is None:
       return float("nan")
-    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes)
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
 
   # -- the four ways ---------------------------------------------------------------
   def one_step_per_batch(grad_fn, name):
     """One jitted optax step per large batch; `grad_fn` returns (loss, grads) of the whole batch."""
+
     def step(params, state, batch):
       loss, grads = grad_fn(params, batch)
       updates, state = optimizer.update(grads, state, params)
       return optax.apply_updates(params, updates), state, loss
+
     step = jax.jit(step, donate_argnums=(0, 1))
     params, state = jax.tree.map(jnp.copy, params0), optimizer.init(params0)
     memory = total_memory(step.lower(params, state, batches[0]).compile())
@@ -134,6 +138,7 @@ def main(argv=None) -> int:
       loss, grads = jax.value_and_grad(loss_fn)(params, micro)
       updates, state = tx.update(grads, state, params)
       return optax.apply_updates(params, updates), state, loss
+
     step = jax.jit(step, donate_argnums=(0, 1))
     params, state = jax.tree.map(jnp.copy, params0), tx.init(params0)
     split = lambda batch, i: jax.tree.map(lambda x: x[i::k], batch)
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
     return one_step_per_batch(ja.microbatch(jax.value_and_grad(loss_fn), k), "microbatch")
 
   def data_parallel():
-    mesh = ja.data_mesh("data", jax.devices()[:args.devices])
+    mesh = ja.data_mesh("data", jax.devices()[: args.devices])
     step = ja.make_train_step(loss_fn, optimizer, num_microbatches=k, mesh=mesh)
     params, state = ja.replicate((jax.tree.map(jnp.copy, params0), optimizer.init(params0)), mesh)
     memory = total_memory(step.lower(params, state, ja.shard_batch(batches[0], mesh)).compile())
@@ -166,40 +171,55 @@ def main(argv=None) -> int:
     return items if args.no_progress else tqdm(items, desc=f"{name:>18}", leave=False)
 
   def accuracy(params):
-    logits = model.apply({"params": params}, jnp.asarray(images[test]))
+    logits: Any = model.apply({"params": params}, jnp.asarray(images[test]))
     return float(jnp.mean(jnp.argmax(logits, -1) == labels[test]))
 
   results = {}
-  for name, run in [("full batch", full_batch), ("accumulate", accumulate),
-                    ("microbatch", microbatch), ("data parallel", data_parallel)]:
+  for name, run in [
+    ("full batch", full_batch),
+    ("accumulate", accumulate),
+    ("microbatch", microbatch),
+    ("data parallel", data_parallel),
+  ]:
     start = time.perf_counter()
     params, losses, memory = run()
     jax.block_until_ready(params)
-    results[name] = dict(params=params, losses=[float(l) for l in losses],
-                         seconds=time.perf_counter() - start, memory=memory)
+    results[name] = dict(
+      params=params, losses=[float(x) for x in losses], seconds=time.perf_counter() - start, memory=memory
+    )
 
   reference = results["full batch"]["params"]
-  print(f"\n{len(batches)} updates of batch {args.batch_size} (K={k} microbatches of "
-        f"{args.batch_size // k}), adam lr={args.lr}, {jnp.dtype(dtype).name}, "
-        f"{jax.device_count()} {jax.default_backend()} devices\n")
+  print(
+    f"\n{len(batches)} updates of batch {args.batch_size} (K={k} microbatches of "
+    f"{args.batch_size // k}), adam lr={args.lr}, {jnp.dtype(dtype).name}, "
+    f"{jax.device_count()} {jax.default_backend()} devices\n"
+  )
   print("| method | final loss | test accuracy | max abs param diff vs full batch | time (s) | step memory (KiB) |")
   print("|---|---:|---:|---:|---:|---:|")
   for name, r in results.items():
-    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(r["params"]), jax.tree.leaves(reference)))
+    diff = max(
+      float(jnp.max(jnp.abs(a - b)))
+      for a, b in zip(jax.tree.leaves(r["params"]), jax.tree.leaves(reference), strict=False)
+    )
     r["max_diff"] = diff
-    print(f"| {name} | {r['losses'][-1]:.4f} | {accuracy(r['params']):.3f} | {diff:.1e} | "
-          f"{r['seconds']:.1f} | {r['memory'] / 1024:.0f} |")
-  print("\ntime: wall clock including compilation. step memory: XLA's compiled total of one jitted call "
-        "(arguments + outputs - donated aliases + temporaries), per device; for accumulate that call "
-        "is one micro-step.")
+    print(
+      f"| {name} | {r['losses'][-1]:.4f} | {accuracy(r['params']):.3f} | {diff:.1e} | "
+      f"{r['seconds']:.1f} | {r['memory'] / 1024:.0f} |"
+    )
+  print(
+    "\ntime: wall clock including compilation. step memory: XLA's compiled total of one jitted call "
+    "(arguments + outputs - donated aliases + temporaries), per device; for accumulate that call "
+    "is one micro-step."
+  )
 
   import matplotlib  # noqa: PLC0415
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # noqa: PLC0415
 
   fig, ax = plt.subplots(figsize=(7, 4))
   styles = ["-", "--", ":", "-."]
-  for (name, r), style in zip(results.items(), styles):
+  for (name, r), style in zip(results.items(), styles, strict=False):
     ax.plot(r["losses"], style, label=name, linewidth=2)
   ax.set_xlabel("update")
   ax.set_ylabel("training loss (batch mean)")

@@ -77,7 +77,8 @@ def _apply_accumulated(tx, grads, opt_state, params, weight, extra_args):
     return fused(grads, opt_state, params, weight=weight, **extra_args)
   updates, opt_state = tx.update(grads, opt_state, params, weight=weight, **extra_args)
   params = parallel.cond(
-      opt_state.updated, lambda ops: optax.apply_updates(*ops), lambda ops: ops[0], (params, updates))
+    opt_state.updated, lambda ops: optax.apply_updates(*ops), lambda ops: ops[0], (params, updates)
+  )
   return params, opt_state
 
 
@@ -90,8 +91,10 @@ def _check_tx(tx, owner: str) -> None:
     raise TypeError(f"tx=None: {owner} needs an optax GradientTransformation, e.g. tx={example}")
   if callable(tx):
     name = getattr(tx, "__qualname__", None) or repr(tx)
-    raise TypeError(f"tx={name} is a function (an optax factory, not called?), not a GradientTransformation: "
-                    f"call it with its hyperparameters, e.g. tx={example}")
+    raise TypeError(
+      f"tx={name} is a function (an optax factory, not called?), not a GradientTransformation: "
+      f"call it with its hyperparameters, e.g. tx={example}"
+    )
   raise TypeError(f"tx={tx!r} must be an optax GradientTransformation, e.g. tx={example}")
 
 
@@ -106,18 +109,22 @@ def _check_accumulate_outermost(opt_state, owner: str) -> None:
   """
   if isinstance(opt_state, AccumulateState):
     return
-  found = [path for path, leaf in jax.tree_util.tree_leaves_with_path(
-      opt_state, is_leaf=lambda x: isinstance(x, AccumulateState)) if isinstance(leaf, AccumulateState)]
+  found = [
+    path
+    for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state, is_leaf=lambda x: isinstance(x, AccumulateState))
+    if isinstance(leaf, AccumulateState)
+  ]
   if found:
     raise ValueError(
-        f"tx holds ja.accumulate inside another transformation (its AccumulateState is at "
-        f"opt_state{jax.tree_util.keystr(found[0])}; the state is a {type(opt_state).__name__}). {owner} needs "
-        "ja.accumulate outermost, with everything else inside it: write "
-        "ja.accumulate(optax.chain(optax.clip_by_global_norm(1.0), adam), k) instead of "
-        "optax.chain(optax.clip_by_global_norm(1.0), ja.accumulate(adam, k)). Transformations chained before "
-        "accumulate run on every microbatch's gradient, so that clips each microbatch instead of the window's "
-        "mean gradient once per update (the bug Keras 3 shipped, keras#19990), and step would count "
-        "micro-steps and weight= could not be passed.")
+      f"tx holds ja.accumulate inside another transformation (its AccumulateState is at "
+      f"opt_state{jax.tree_util.keystr(found[0])}; the state is a {type(opt_state).__name__}). {owner} needs "
+      "ja.accumulate outermost, with everything else inside it: write "
+      "ja.accumulate(optax.chain(optax.clip_by_global_norm(1.0), adam), k) instead of "
+      "optax.chain(optax.clip_by_global_norm(1.0), ja.accumulate(adam, k)). Transformations chained before "
+      "accumulate run on every microbatch's gradient, so that clips each microbatch instead of the window's "
+      "mean gradient once per update (the bug Keras 3 shipped, keras#19990), and step would count "
+      "micro-steps and weight= could not be passed."
+    )
 
 
 def _distinct(x):
@@ -177,7 +184,8 @@ def _window_mean(stats_sum, stats_weight, like, axis_name):
   has_data = stats_weight > 0
   safe = jnp.where(has_data, stats_weight, jnp.ones_like(stats_weight))
   return jax.tree.map(
-      lambda a, s: jnp.where(has_data, (a / safe.astype(a.dtype)).astype(jnp.result_type(s)), s), stats_sum, like)
+    lambda a, s: jnp.where(has_data, (a / safe.astype(a.dtype)).astype(jnp.result_type(s)), s), stats_sum, like
+  )
 
 
 # --------------------------------------------------------------------------- linen
@@ -265,9 +273,19 @@ class TrainState(flax_train_state.TrainState):
       step = _distinct(opt_state.update_count)
     else:
       step = jnp.zeros([], jnp.int32)
-    return cls(step=step, apply_fn=apply_fn, params=params, tx=tx, opt_state=opt_state,
-               batch_stats=batch_stats, batch_stats_sum=stats_sum, batch_stats_weight=stats_weight,
-               microbatches_seen=jnp.zeros([], jnp.int32), axis_name=axis_name, **kwargs)
+    return cls(
+      step=step,
+      apply_fn=apply_fn,
+      params=params,
+      tx=tx,
+      opt_state=opt_state,
+      batch_stats=batch_stats,
+      batch_stats_sum=stats_sum,
+      batch_stats_weight=stats_weight,
+      microbatches_seen=jnp.zeros([], jnp.int32),
+      axis_name=axis_name,
+      **kwargs,
+    )
 
   def _seen_plus_one(self):
     seen = jnp.zeros([], jnp.int32) if self.microbatches_seen is None else self.microbatches_seen
@@ -304,21 +322,31 @@ class TrainState(flax_train_state.TrainState):
     """
     if batch_stats is not None:
       if self.batch_stats is None:
-        raise ValueError("batch_stats were given but this TrainState was created without them: "
-                         "pass TrainState.create(..., batch_stats=variables['batch_stats'])")
+        raise ValueError(
+          "batch_stats were given but this TrainState was created without them: "
+          "pass TrainState.create(..., batch_stats=variables['batch_stats'])"
+        )
       _tree.check_same_structure(batch_stats, self.batch_stats, "batch_stats", "state.batch_stats")
     seen = self._seen_plus_one()
 
     if not isinstance(self.opt_state, AccumulateState):
       # A plain optax transformation: flax's semantics, step counts calls.
       if weight is not None:
-        raise TypeError(f"{weight=} needs tx=ja.accumulate(...); this TrainState's tx is not one (its state "
-                        f"is a {type(self.opt_state).__name__})")
+        raise TypeError(
+          f"{weight=} needs tx=ja.accumulate(...); this TrainState's tx is not one (its state "
+          f"is a {type(self.opt_state).__name__})"
+        )
       _tree.check_same_structure(grads, self.params, "grads", "state.params")
       updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
       extra = {} if batch_stats is None else {"batch_stats": batch_stats}
-      return self.replace(step=self.step + 1, params=optax.apply_updates(self.params, updates),
-                          opt_state=opt_state, microbatches_seen=seen, **extra, **kwargs)
+      return self.replace(
+        step=self.step + 1,
+        params=optax.apply_updates(self.params, updates),
+        opt_state=opt_state,
+        microbatches_seen=seen,
+        **extra,
+        **kwargs,
+      )
 
     _tree.check_same_structure(grads, self.params, "grads", "state.params")
     new_window = self.opt_state.micro_step == 0
@@ -329,18 +357,25 @@ class TrainState(flax_train_state.TrainState):
     extra = {}
     if batch_stats is not None:
       stats_sum, stats_weight = _accumulate_stats(
-          batch_stats, self.batch_stats_sum, self.batch_stats_weight, weight, new_window,
-          _kept(self.opt_state, opt_state))
+        batch_stats, self.batch_stats_sum, self.batch_stats_weight, weight, new_window, _kept(self.opt_state, opt_state)
+      )
       window_end = opt_state.micro_step == 0
       new_stats = parallel.cond(
-          window_end,
-          lambda ops: _window_mean(ops[0], ops[1], ops[2], self.axis_name),
-          lambda ops: ops[2],
-          (stats_sum, stats_weight, self.batch_stats))
+        window_end,
+        lambda ops: _window_mean(ops[0], ops[1], ops[2], self.axis_name),
+        lambda ops: ops[2],
+        (stats_sum, stats_weight, self.batch_stats),
+      )
       extra = {"batch_stats": new_stats, "batch_stats_sum": stats_sum, "batch_stats_weight": stats_weight}
     # `step` in its own buffer: the same array in two places could not be donated.
-    return self.replace(step=_distinct(opt_state.update_count), params=params, opt_state=opt_state,
-                        microbatches_seen=seen, **extra, **kwargs)
+    return self.replace(
+      step=_distinct(opt_state.update_count),
+      params=params,
+      opt_state=opt_state,
+      microbatches_seen=seen,
+      **extra,
+      **kwargs,
+    )
 
 
 # --------------------------------------------------------------------------- nnx
@@ -382,8 +417,9 @@ class AccumulatingOptimizer(nnx.Optimizer):
   `nnx.Optimizer` (plus `microbatches_seen`); `accumulate` must be outermost.
   """
 
-  def __init__(self, model, tx: optax.GradientTransformation, *, wrt, batch_stats=nnx.BatchStat,
-               axis_name=None, graph=None):
+  def __init__(
+    self, model, tx: optax.GradientTransformation, *, wrt, batch_stats=nnx.BatchStat, axis_name=None, graph=None
+  ):
     """Args as `nnx.Optimizer`, plus:
 
     Args:
@@ -457,24 +493,33 @@ class AccumulatingOptimizer(nnx.Optimizer):
       # Checked before anything is written: a bad call changes nothing.
       current = nnx.as_pure(nnx.state(model, self.stats_filter, graph=self.graph))
       start = nnx.as_pure(self.stats_start)
-      _tree.check_same_structure(current, start, f"the model's {self.stats_filter} variables",
-                                 "those at construction")
+      _tree.check_same_structure(current, start, f"the model's {self.stats_filter} variables", "those at construction")
     old_opt_state = nnx.as_pure(self.opt_state)
     new_params, opt_state = _apply_accumulated(
-        self.tx, grad_arrays, old_opt_state, param_arrays, weight, nnx.as_pure(kwargs))
+      self.tx, grad_arrays, old_opt_state, param_arrays, weight, nnx.as_pure(kwargs)
+    )
 
     if self.stats_start is not None:
       stats_sum, stats_weight = _accumulate_stats(
-          current, nnx.as_pure(self.stats_sum), nnx.as_pure(self.stats_weight), weight,
-          old_opt_state.micro_step == 0, _kept(old_opt_state, opt_state))
+        current,
+        nnx.as_pure(self.stats_sum),
+        nnx.as_pure(self.stats_weight),
+        weight,
+        old_opt_state.micro_step == 0,
+        _kept(old_opt_state, opt_state),
+      )
       window_end = opt_state.micro_step == 0
       if self.axis_name is None:
         # Statistics are small: a select is cheaper than a cond here.
         mean = _window_mean(stats_sum, stats_weight, start, None)
         stats = jax.tree.map(lambda m, s: jnp.where(window_end, m, s), mean, start)
       else:  # the all-reduce only in the window-end branch
-        stats = parallel.cond(window_end, lambda ops: _window_mean(ops[0], ops[1], ops[2], self.axis_name),
-                              lambda ops: ops[2], (stats_sum, stats_weight, start))
+        stats = parallel.cond(
+          window_end,
+          lambda ops: _window_mean(ops[0], ops[1], ops[2], self.axis_name),
+          lambda ops: ops[2],
+          (stats_sum, stats_weight, start),
+        )
 
     nnx.update(model, new_params)
     nnx.update(self.opt_state, nnx.state(opt_state, graph=self.graph))

@@ -42,8 +42,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxaccum import _tree
-from jaxaccum import parallel
+from jaxaccum import _tree, parallel
 
 
 class LocalSGDState(NamedTuple):
@@ -81,8 +80,9 @@ def _check_axis_name_arg(axis_name):
 def _check_params(params, name: str):
   if params is None:
     raise ValueError(
-        f"{name} averages parameters, so its update needs them: call "
-        f"update(grads, state, params) (optax.chain passes params through)")
+      f"{name} averages parameters, so its update needs them: call "
+      f"update(grads, state, params) (optax.chain passes params through)"
+    )
 
 
 def _local_inner_update(name, inner, axis_name, grads, state, params, extra_args):
@@ -113,15 +113,18 @@ def _advance(local_step, sync_count, sync_every):
   """(is_sync, next local_step, next sync_count) after one more inner update."""
   local_step = local_step + 1
   is_sync = local_step >= sync_every
-  return (is_sync, jnp.where(is_sync, jnp.zeros_like(local_step), local_step),
-          sync_count + is_sync.astype(sync_count.dtype))
+  return (
+    is_sync,
+    jnp.where(is_sync, jnp.zeros_like(local_step), local_step),
+    sync_count + is_sync.astype(sync_count.dtype),
+  )
 
 
 def local_sgd(
-    inner: optax.GradientTransformation,
-    sync_every: int,
-    *,
-    axis_name: str | tuple[str, ...],
+  inner: optax.GradientTransformation,
+  sync_every: int,
+  *,
+  axis_name: str | tuple[str, ...],
 ) -> optax.GradientTransformationExtraArgs:
   """Local SGD: each replica runs `inner` alone; parameters are averaged every `sync_every` updates.
 
@@ -169,9 +172,8 @@ def local_sgd(
 
   def init(params):
     return LocalSGDState(
-        local_step=jnp.zeros([], jnp.int32),
-        sync_count=jnp.zeros([], jnp.int32),
-        inner_state=inner.init(params))
+      local_step=jnp.zeros([], jnp.int32), sync_count=jnp.zeros([], jnp.int32), inner_state=inner.init(params)
+    )
 
   def update(grads, state, params=None, **extra_args):
     size, local, inner_state = _local_inner_update("local_sgd", inner, axis_name, grads, state, params, extra_args)
@@ -180,12 +182,10 @@ def local_sgd(
       params, local = operands
       moved = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, local)
       total = lax.psum(moved, axis_name)
-      return jax.tree.map(
-          lambda t, p, u: (t / jnp.asarray(size, t.dtype) - p).astype(u.dtype), total, params, local)
+      return jax.tree.map(lambda t, p, u: (t / jnp.asarray(size, t.dtype) - p).astype(u.dtype), total, params, local)
 
     if sync_every == 1:
-      return average((params, local)), LocalSGDState(
-          state.local_step, state.sync_count + 1, inner_state)
+      return average((params, local)), LocalSGDState(state.local_step, state.sync_count + 1, inner_state)
     is_sync, local_step, sync_count = _advance(state.local_step, state.sync_count, sync_every)
     averaged = parallel.cond(is_sync, average, lambda ops: _zeros_like(ops[1]), (params, local))
     return _select(is_sync, averaged, local), LocalSGDState(local_step, sync_count, inner_state)
@@ -194,12 +194,12 @@ def local_sgd(
 
 
 def diloco(
-    inner: optax.GradientTransformation,
-    outer: optax.GradientTransformation,
-    sync_every: int,
-    *,
-    axis_name: str | tuple[str, ...],
-    comm_dtype: Any = None,
+  inner: optax.GradientTransformation,
+  outer: optax.GradientTransformation,
+  sync_every: int,
+  *,
+  axis_name: str | tuple[str, ...],
+  comm_dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
   """DiLoCo: H local `inner` steps, then one `outer` step on the averaged parameter change.
 
@@ -250,12 +250,13 @@ def diloco(
 
   def init(params):
     return DiLoCoState(
-        local_step=jnp.zeros([], jnp.int32),
-        sync_count=jnp.zeros([], jnp.int32),
-        # A copy, so that a donated params buffer does not alias the anchor.
-        anchor=jax.tree.map(jnp.array, params),
-        inner_state=inner.init(params),
-        outer_state=outer.init(params))
+      local_step=jnp.zeros([], jnp.int32),
+      sync_count=jnp.zeros([], jnp.int32),
+      # A copy, so that a donated params buffer does not alias the anchor.
+      anchor=jax.tree.map(jnp.array, params),
+      inner_state=inner.init(params),
+      outer_state=outer.init(params),
+    )
 
   def update(grads, state, params=None, **extra_args):
     size, local, inner_state = _local_inner_update("diloco", inner, axis_name, grads, state, params, extra_args)
@@ -278,21 +279,19 @@ def diloco(
     operands = (params, local, state.anchor, state.outer_state)
     if sync_every == 1:
       updates, anchor, outer_state = outer_step(operands)
-      return updates, DiLoCoState(
-          state.local_step, state.sync_count + 1, anchor, inner_state, outer_state)
+      return updates, DiLoCoState(state.local_step, state.sync_count + 1, anchor, inner_state, outer_state)
     is_sync, local_step, sync_count = _advance(state.local_step, state.sync_count, sync_every)
     synced, anchor, outer_state = parallel.cond(is_sync, outer_step, hold, operands)
-    return _select(is_sync, synced, local), DiLoCoState(
-        local_step, sync_count, anchor, inner_state, outer_state)
+    return _select(is_sync, synced, local), DiLoCoState(local_step, sync_count, anchor, inner_state, outer_state)
 
   return optax.GradientTransformationExtraArgs(init, update)
 
 
 def stale(
-    inner: optax.GradientTransformation,
-    delay: int,
-    *,
-    staleness_lr_scale: bool = False,
+  inner: optax.GradientTransformation,
+  delay: int,
+  *,
+  staleness_lr_scale: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Stale-gradient updates: applies at step t the gradient received at step t - `delay`.
 
@@ -344,24 +343,21 @@ def stale(
     # Python scalars are leaves optax accepts; the buffer keeps each leaf's dtype.
     buffer = jax.tree.map(lambda p: jnp.zeros((delay,) + jnp.shape(p), _tree.dtype_of(p)), params)
     return StaleState(
-        slot=jnp.zeros([], jnp.int32),
-        filled=jnp.zeros([], jnp.int32),
-        buffer=buffer,
-        inner_state=inner.init(params))
+      slot=jnp.zeros([], jnp.int32), filled=jnp.zeros([], jnp.int32), buffer=buffer, inner_state=inner.init(params)
+    )
 
   def update(grads, state, params=None, **extra_args):
     if delay == 0:
       updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
-    _tree.check_same_structure(
-        grads, jax.tree.map(lambda b: b[0], state.buffer), "grads", "the buffered gradients")
+    _tree.check_same_structure(grads, jax.tree.map(lambda b: b[0], state.buffer), "grads", "the buffered gradients")
     grads = jax.tree.map(jnp.asarray, grads)  # optax accepts Python scalars as leaves
     # Read the oldest gradient, then overwrite its slot with the newest: the
     # read is scheduled before the in-place write, so the buffer is not copied.
     oldest = jax.tree.map(lambda b: b[state.slot], state.buffer)
     buffer = jax.tree.map(
-        lambda b, g: lax.dynamic_update_index_in_dim(b, g.astype(b.dtype), state.slot, 0),
-        state.buffer, grads)
+      lambda b, g: lax.dynamic_update_index_in_dim(b, g.astype(b.dtype), state.slot, 0), state.buffer, grads
+    )
     ready = state.filled >= delay
 
     def apply(operands):

@@ -113,12 +113,12 @@ def init_state(dtype: Any = jnp.float32) -> NoiseScaleState:
   """Empty running averages in `dtype` (no window measured yet)."""
   # A fresh array per field: a state whose leaves share one buffer cannot be donated.
   return NoiseScaleState(
-      windows=jnp.zeros([], jnp.int32),
-      norm=jnp.zeros([], dtype),
-      grad_sq=jnp.zeros([], dtype),
-      trace_cov=jnp.zeros([], dtype),
-      acc_sq=jnp.zeros([], dtype),
-      acc_count=jnp.zeros([], jnp.int32),
+    windows=jnp.zeros([], jnp.int32),
+    norm=jnp.zeros([], dtype),
+    grad_sq=jnp.zeros([], dtype),
+    trace_cov=jnp.zeros([], dtype),
+    acc_sq=jnp.zeros([], dtype),
+    acc_count=jnp.zeros([], jnp.int32),
   )
 
 
@@ -168,10 +168,10 @@ def update_state(state: NoiseScaleState, grad_sq, trace_cov, valid, decay: float
     return jnp.where(valid, beta * old + one_minus * new.astype(dtype), old)
 
   return state._replace(
-      windows=state.windows + valid.astype(jnp.int32),
-      norm=ema(state.norm, jnp.ones([], dtype)),
-      grad_sq=ema(state.grad_sq, grad_sq),
-      trace_cov=ema(state.trace_cov, trace_cov),
+    windows=state.windows + valid.astype(jnp.int32),
+    norm=ema(state.norm, jnp.ones([], dtype)),
+    grad_sq=ema(state.grad_sq, grad_sq),
+    trace_cov=ema(state.trace_cov, trace_cov),
   )
 
 
@@ -207,8 +207,9 @@ def noise_scale(state) -> NoiseScale:
   found = _find_states(state)
   if not found:
     raise ValueError(
-        f"state ({type(state).__name__}) holds no noise-scale statistics: turn them on with "
-        "ja.accumulate(..., noise_scale_ema=0.99)")
+      f"state ({type(state).__name__}) holds no noise-scale statistics: turn them on with "
+      "ja.accumulate(..., noise_scale_ema=0.99)"
+    )
   if len(found) > 1:
     raise ValueError(f"state ({type(state).__name__}) holds {len(found)} noise-scale statistics; pass one of them")
   s = found[0]
@@ -298,11 +299,11 @@ def _check_scale_value(value, name: str) -> None:
 
 
 def adascale(
-    inner: optax.GradientTransformation,
-    *,
-    scale: ScalarOrSchedule | None = None,
-    base_batch_size: float | None = None,
-    learning_rate: ScalarOrSchedule | None = None,
+  inner: optax.GradientTransformation,
+  *,
+  scale: ScalarOrSchedule | None = None,
+  base_batch_size: float | None = None,
+  learning_rate: ScalarOrSchedule | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """AdaScale: the learning rate scaled by the measured gain r when the batch is S base batches.
 
@@ -374,10 +375,10 @@ def adascale(
 
   def init(params):
     return AdaScaleState(
-        update_count=jnp.zeros([], jnp.int32),
-        progress=jnp.zeros([], float_dtype),
-        gain=jnp.ones([], float_dtype),
-        inner_state=inner.init(params),
+      update_count=jnp.zeros([], jnp.int32),
+      progress=jnp.zeros([], float_dtype),
+      gain=jnp.ones([], float_dtype),
+      inner_state=inner.init(params),
     )
 
   def update(updates, state, params=None, *, noise_scale=None, batch_weight=None, **extra_args):
@@ -385,9 +386,10 @@ def adascale(
       raise TypeError(f"state must be an AdaScaleState, got {type(state).__name__}")
     if noise_scale is None or batch_weight is None:
       raise TypeError(
-          "adascale's update needs the noise statistics as noise_scale= (a ja.NoiseScale) and "
-          "batch_weight=: use it as the inner optimizer of ja.accumulate(..., noise_scale_ema=beta), "
-          "or pass both yourself")
+        "adascale's update needs the noise statistics as noise_scale= (a ja.NoiseScale) and "
+        "batch_weight=: use it as the inner optimizer of ja.accumulate(..., noise_scale_ema=beta), "
+        "or pass both yourself"
+      )
     if not isinstance(noise_scale, NoiseScale):
       raise TypeError(f"noise_scale must be a ja.NoiseScale, got {type(noise_scale).__name__}")
     inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
@@ -405,10 +407,10 @@ def adascale(
       factor = -jnp.asarray(lr, float_dtype) * r
     scaled = jax.tree.map(lambda u: u * factor.astype(u.dtype), inner_updates)
     return scaled, AdaScaleState(
-        update_count=state.update_count + 1,
-        progress=state.progress + r,
-        gain=r,
-        inner_state=inner_state,
+      update_count=state.update_count + 1,
+      progress=state.progress + r,
+      gain=r,
+      inner_state=inner_state,
     )
 
   return optax.GradientTransformationExtraArgs(init, update)
@@ -448,8 +450,9 @@ class NoiseScaleEveryK:
     return jnp.where(known, k, self.k_init).astype(jnp.int32)
 
 
-def every_k_from_noise_scale(microbatch_size: float, *, k_max: int, k_min: int = 2,
-                             k_init: int | None = None) -> NoiseScaleEveryK:
+def every_k_from_noise_scale(
+  microbatch_size: float, *, k_max: int, k_min: int = 2, k_init: int | None = None
+) -> NoiseScaleEveryK:
   """Batch growth driven by the measurement: a window of about B_simple worth of weight.
 
   McCandlish et al. find the critical batch near B_simple; Merrill et al. (2025)

@@ -28,14 +28,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxaccum import _tree
 
-
 # --------------------------------------------------------------------------- axis checks
 
 
 def validate_axis_name(axis_name: Any, arg: str = "axis_name") -> None:
   """Raises a TypeError unless `axis_name` is a non-empty string or tuple of them."""
-  ok = isinstance(axis_name, str) and axis_name
-  ok = ok or (isinstance(axis_name, tuple) and axis_name and all(isinstance(n, str) and n for n in axis_name))
+  ok = isinstance(axis_name, str) and bool(axis_name)
+  ok = ok or (isinstance(axis_name, tuple) and bool(axis_name) and all(isinstance(n, str) and n for n in axis_name))
   if not ok:
     raise TypeError(f"{arg}={axis_name!r} must be a non-empty string (or a tuple of them)")
 
@@ -50,8 +49,9 @@ def check_axis_name(axis_name: Any, arg: str = "axis_name") -> int:
     return lax.axis_size(axis_name)
   except NameError:
     raise ValueError(
-        f"{arg}={axis_name!r} is not bound here: call this inside jax.pmap(..., "
-        f"axis_name={axis_name!r}) or jax.shard_map over a mesh with that axis") from None
+      f"{arg}={axis_name!r} is not bound here: call this inside jax.pmap(..., "
+      f"axis_name={axis_name!r}) or jax.shard_map over a mesh with that axis"
+    ) from None
 
 
 def _varying_axes(x) -> frozenset | None:
@@ -95,7 +95,8 @@ def cond(pred, true_fun, false_fun, operands):
   dtypes = jax.tree.map(lambda a, b: _join_dtypes(a.dtype, b.dtype), true_out, false_out)
   manual = bool(_manual_axes())
   axes = jax.tree.map(
-      lambda a, b: (_varying_axes(a) or frozenset()) | (_varying_axes(b) or frozenset()), true_out, false_out)
+    lambda a, b: (_varying_axes(a) or frozenset()) | (_varying_axes(b) or frozenset()), true_out, false_out
+  )
 
   def widen(fun):
     def wrapped(ops):
@@ -104,7 +105,9 @@ def cond(pred, true_fun, false_fun, operands):
           x = x.astype(dtype)
         missing = tuple(sorted(axes - (_varying_axes(x) or frozenset()))) if manual else ()
         return lax.pcast(x, missing, to="varying") if missing else x
+
       return jax.tree.map(cast, fun(ops), dtypes, axes)
+
     return wrapped
 
   return lax.cond(pred, widen(true_fun), widen(false_fun), operands)
@@ -139,12 +142,13 @@ def check_varying(tree, axis_name, arg: str = "grads") -> None:
     vma = _varying_axes(leaf)
     if vma is not None and not all(n in vma for n in names):
       raise ValueError(
-          f"{arg}{jax.tree_util.keystr(path)} is invariant over {axis_name=}: inside "
-          "jax.shard_map, a gradient with respect to replicated parameters has already been "
-          "summed over the axis by autodiff, so averaging it again would scale it by the axis "
-          "size. Cast the parameters to varying before taking the gradient: "
-          f"params = jax.lax.pcast(params, {axis_name!r}, to='varying'). (If this is not a gradient but "
-          "a value that is the same on every device, e.g. a constant, cast that value to varying instead.)")
+        f"{arg}{jax.tree_util.keystr(path)} is invariant over {axis_name=}: inside "
+        "jax.shard_map, a gradient with respect to replicated parameters has already been "
+        "summed over the axis by autodiff, so averaging it again would scale it by the axis "
+        "size. Cast the parameters to varying before taking the gradient: "
+        f"params = jax.lax.pcast(params, {axis_name!r}, to='varying'). (If this is not a gradient but "
+        "a value that is the same on every device, e.g. a constant, cast that value to varying instead.)"
+      )
 
 
 def all_reduce_sum(tree, axis_name, comm_dtype=None):
@@ -224,8 +228,9 @@ def data_mesh(axis_name: str = "data", devices=None) -> Mesh:
   for i, device in enumerate(devices):
     if not isinstance(device, jax.Device):
       raise TypeError(
-          f"devices[{i}]={device!r} must be a jax Device (e.g. from jax.devices()), got "
-          f"{type(device).__name__}: devices={given!r}")
+        f"devices[{i}]={device!r} must be a jax Device (e.g. from jax.devices()), got "
+        f"{type(device).__name__}: devices={given!r}"
+      )
     if device in seen:
       raise ValueError(f"devices={given!r} lists {device} twice; each device may appear once in a mesh")
     seen.add(device)
@@ -274,8 +279,9 @@ def shard_batch(batch, mesh: Mesh, axis_name: str | tuple[str, ...] = "data"):
       raise ValueError(f"batch{jax.tree_util.keystr(path)} is a scalar; every batch leaf needs a leading batch axis")
     if x.shape[0] % local_share:
       raise ValueError(
-          f"batch{jax.tree_util.keystr(path)} has {x.shape[0]} local rows, not divisible by the "
-          f"{local_share} shards of {axis_name=} on this process")
+        f"batch{jax.tree_util.keystr(path)} has {x.shape[0]} local rows, not divisible by the "
+        f"{local_share} shards of {axis_name=} on this process"
+      )
     return jax.make_array_from_process_local_data(sharding, x)
 
   return jax.tree_util.tree_map_with_path(put, batch)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import collections.abc
 import numbers
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +60,9 @@ def compiled_memory_bytes(compiled) -> int:
   stats = compiled.memory_analysis()
   if stats is None:
     raise RuntimeError("this backend reports no compiled memory analysis")
-  return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
-             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  return int(
+    stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+  )
 
 
 def _rows_per_device(x) -> int | None:
@@ -83,12 +85,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def plan_microbatches(
-    step_fn: Callable[[int], Any],
-    *example_args: Any,
-    memory_budget_bytes: int,
-    candidates: Sequence[int] | None = None,
-    batch_argnum: int | None = None,
-    step_options: Sequence[dict] | None = None,
+  step_fn: Callable[[int], Any],
+  *example_args: Any,
+  memory_budget_bytes: int,
+  candidates: Sequence[int] | None = None,
+  batch_argnum: int | None = None,
+  step_options: Sequence[dict] | None = None,
 ) -> MicrobatchPlan:
   """Compiles the step for candidate K and returns the smallest K whose footprint fits the budget.
 
@@ -140,10 +142,16 @@ def plan_microbatches(
   if not callable(step_fn):
     raise TypeError(f"step_fn={step_fn!r} must be callable: K -> the jitted step for K microbatches")
   if step_options is not None:
-    if isinstance(step_options, dict) or not isinstance(step_options, collections.abc.Sequence) or not all(
-        isinstance(o, dict) for o in step_options) or not step_options:
-      raise TypeError(f"{step_options=} must be a non-empty sequence of keyword dicts, e.g. "
-                      "[{'fsdp_gather': 'once'}, {'fsdp_gather': 'per_microbatch'}]")
+    if (
+      isinstance(step_options, dict)
+      or not isinstance(step_options, collections.abc.Sequence)
+      or not all(isinstance(o, dict) for o in step_options)
+      or not step_options
+    ):
+      raise TypeError(
+        f"{step_options=} must be a non-empty sequence of keyword dicts, e.g. "
+        "[{'fsdp_gather': 'once'}, {'fsdp_gather': 'per_microbatch'}]"
+      )
   variants: list = [None] if step_options is None else list(step_options)
 
   def build(k, index):
@@ -187,5 +195,6 @@ def plan_microbatches(
         return MicrobatchPlan(k, totals, memory_budget_bytes, key=key, step_options=variants[index])
   best = min(totals, key=totals.__getitem__)
   raise ValueError(
-      f"no num_microbatches in {list(candidates)} fits {memory_budget_bytes=}: the smallest "
-      f"compiled total is {totals[best]} bytes (K={best}); totals by K: {totals}")
+    f"no num_microbatches in {list(candidates)} fits {memory_budget_bytes=}: the smallest "
+    f"compiled total is {totals[best]} bytes (K={best}); totals by K: {totals}"
+  )

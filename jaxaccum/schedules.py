@@ -30,7 +30,8 @@ from __future__ import annotations
 import bisect
 import math
 import numbers
-from typing import Any, Callable, Iterable, Mapping, Union
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ from jaxaccum import _tree
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 # `{boundary: value}` or a sequence of `(boundary, value)` pairs.
-BoundariesAnd = Union[Mapping[int, Any], Iterable[tuple[int, Any]], None]
+BoundariesAnd = Mapping[int, Any] | Iterable[tuple[int, Any]] | None
 
 
 class PiecewiseSchedule:
@@ -81,7 +82,7 @@ class PiecewiseSchedule:
     return values[jnp.clip(index, 0, len(reachable) - 1)]
 
   def __repr__(self) -> str:
-    pieces = ", ".join(f"{b}: {v}" for b, v in zip(self.boundaries, self.values))
+    pieces = ", ".join(f"{b}: {v}" for b, v in zip(self.boundaries, self.values, strict=False))
     return f"{self._name}({{{pieces}}})"
 
 
@@ -132,8 +133,8 @@ def piecewise(boundaries_and_values: BoundariesAnd, *, init_value: int | None = 
     init_value = _check_k(init_value, "init_value")
     if pairs and pairs[0][0] == 0:
       raise ValueError(
-          f"{init_value=} and boundaries_and_values[0]={pairs[0][1]!r} both give k at update 0;"
-          " give only one")
+        f"{init_value=} and boundaries_and_values[0]={pairs[0][1]!r} both give k at update 0; give only one"
+      )
   boundaries, values = [0], [1 if init_value is None else init_value]
   for b, v in pairs:
     v = _check_k(v, f"boundaries_and_values[{b}]")
@@ -214,7 +215,7 @@ def from_lr_decay(base_k: int, boundaries_and_scales: BoundariesAnd) -> Piecewis
   # Convert microbatch boundaries into update-count boundaries by walking the run.
   boundaries, values = [0], [base_k]
   update, consumed, k, product = 0, 0, base_k, 1.0
-  for (b, _), s in zip(pairs, scales):
+  for (b, _), s in zip(pairs, scales, strict=False):
     product *= s
     if b > consumed:
       steps = -(-(b - consumed) // k)  # ceil: first update beginning at or after b
@@ -222,8 +223,7 @@ def from_lr_decay(base_k: int, boundaries_and_scales: BoundariesAnd) -> Piecewis
       consumed += steps * k
     k = math.floor(base_k / product + 0.5)
     if k > _INT32_MAX:
-      raise ValueError(
-          f"boundaries_and_scales gives k={k} from microbatch {b} on, more than int32 holds")
+      raise ValueError(f"boundaries_and_scales gives k={k} from microbatch {b} on, more than int32 holds")
     if update == boundaries[-1]:
       values[-1] = k
     else:
@@ -293,11 +293,13 @@ def microbatches_consumed(schedule: Callable[[Any], Any], update_count):
   ends = starts[1:] + (None,)
   if is_int:
     u = int(update_count)
-    return sum(v * max(0, (u if e is None else min(u, e)) - b) for b, e, v in zip(starts, ends, schedule.values))
+    return sum(
+      v * max(0, (u if e is None else min(u, e)) - b) for b, e, v in zip(starts, ends, schedule.values, strict=False)
+    )
   count = _check_count_array(update_count)
   top = int(np.iinfo(count.dtype).max)
   total = jnp.zeros(count.shape, count.dtype)
-  for b, e, v in zip(starts, ends, schedule.values):
+  for b, e, v in zip(starts, ends, schedule.values, strict=False):
     if b > top:  # never reached by a counter of this dtype
       break
     upper = count if e is None or e > top else jnp.minimum(count, e)
@@ -361,7 +363,7 @@ def _pairs(container, name: str) -> list[tuple[int, Any]]:
       raise ValueError(f"{name} boundary {b!r} must be an integer >= 0")
   items = [(int(b), v) for b, v in items]
   if ordered:
-    for (b0, _), (b1, _) in zip(items, items[1:]):
+    for (b0, _), (b1, _) in zip(items, items[1:], strict=False):
       if b1 <= b0:
         raise ValueError(f"{name} boundaries must be strictly increasing, got {b0} then {b1}")
   return sorted(items, key=lambda item: item[0])
@@ -370,7 +372,7 @@ def _pairs(container, name: str) -> list[tuple[int, Any]]:
 def _merge(boundaries: list[int], values: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
   """Drops boundaries where k does not change."""
   out_b, out_v = [boundaries[0]], [values[0]]
-  for b, v in zip(boundaries[1:], values[1:]):
+  for b, v in zip(boundaries[1:], values[1:], strict=False):
     if v != out_v[-1]:
       out_b.append(b)
       out_v.append(v)

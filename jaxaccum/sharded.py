@@ -73,6 +73,7 @@ FSDP_GATHERS = ("per_microbatch", "once")
 
 class _Plan(NamedTuple):
   """A strategy resolved on a mesh."""
+
   strategy: str
   # Every data axis: the batch is split over all of them; the step is manual over them.
   batch_axes: tuple[str, ...]
@@ -90,11 +91,15 @@ def _make_plan(strategy, mesh, data_axis) -> _Plan:
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh (e.g. jax.make_mesh or ja.data_mesh)")
   if strategy == "hsdp":
-    if not (isinstance(data_axis, tuple) and len(data_axis) == 2 and all(isinstance(a, str) for a in data_axis)
-            and data_axis[0] != data_axis[1]):
+    if not (
+      isinstance(data_axis, tuple)
+      and len(data_axis) == 2
+      and all(isinstance(a, str) for a in data_axis)
+      and data_axis[0] != data_axis[1]
+    ):
       raise ValueError(
-          f"strategy='hsdp' needs data_axis=(replica_axis, shard_axis), two different mesh axis names; "
-          f"got {data_axis=}")
+        f"strategy='hsdp' needs data_axis=(replica_axis, shard_axis), two different mesh axis names; got {data_axis=}"
+      )
     axes: tuple[str, ...] = data_axis
   else:
     if not isinstance(data_axis, str) or not data_axis:
@@ -114,10 +119,11 @@ def _make_plan(strategy, mesh, data_axis) -> _Plan:
 
 class _Leaf(NamedTuple):
   """Where one parameter leaf lives."""
+
   param_spec: PartitionSpec  # the parameter's sharding (all mesh axes)
-  opt_spec: PartitionSpec    # its optimizer state's and sharded gradient's sharding
-  dim: int | None            # the dimension sharded over the plan's shard axis (None: replicated over it)
-  other: bool                # another mesh axis shards the leaf too (its own collectives, no packing)
+  opt_spec: PartitionSpec  # its optimizer state's and sharded gradient's sharding
+  dim: int | None  # the dimension sharded over the plan's shard axis (None: replicated over it)
+  other: bool  # another mesh axis shards the leaf too (its own collectives, no packing)
 
 
 def _entries(spec, ndim) -> list:
@@ -156,8 +162,11 @@ def _sharding_of(x):
 
 
 def _same_mesh(a, b: Mesh) -> bool:
-  return (tuple(a.axis_names) == tuple(b.axis_names) and a.devices.shape == b.devices.shape
-          and [d.id for d in a.devices.flat] == [d.id for d in b.devices.flat])
+  return (
+    tuple(a.axis_names) == tuple(b.axis_names)
+    and a.devices.shape == b.devices.shape
+    and [d.id for d in a.devices.flat] == [d.id for d in b.devices.flat]
+  )
 
 
 def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool) -> _Leaf:
@@ -178,16 +187,18 @@ def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool) -> _Leaf:
     given = [None] * len(shape)
   else:
     raise ValueError(
-        f"{where} has sharding {sharding}, not a NamedSharding on the mesh: place the parameters and "
-        "optimizer state with ja.shard_train_state(params, optimizer, mesh, strategy=...)")
+      f"{where} has sharding {sharding}, not a NamedSharding on the mesh: place the parameters and "
+      "optimizer state with ja.shard_train_state(params, optimizer, mesh, strategy=...)"
+    )
   data = set(plan.batch_axes)
   base = []
   for entry in given:
     names = _names(entry)
     if any(n in data for n in names) and len(names) > 1:
       raise ValueError(
-          f"{where} has sharding spec {_spec(given)}: one dimension split over a data axis and another "
-          f"axis together, which strategy={plan.strategy!r} does not handle")
+        f"{where} has sharding spec {_spec(given)}: one dimension split over a data axis and another "
+        f"axis together, which strategy={plan.strategy!r} does not handle"
+      )
     base.append(None if any(n in data for n in names) else entry)
   used_data = [e for e in given if any(n in data for n in _names(e))]
   opt, dim = _layout(shape, base, mesh, plan.shard_axis)
@@ -195,12 +206,16 @@ def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool) -> _Leaf:
   # shard_train_state takes any layout that does not contradict the strategy over the data axes;
   # a step takes exactly the layout shard_train_state gives (a silent reshard would cost a collective).
   if (used_data or (placed and sharding is not None)) and given != param:
-    rule = ("its largest dimension not sharded otherwise and divisible by the data axis size, if any"
-            if plan.params_sharded else "parameters stay replicated over the data axes")
+    rule = (
+      "its largest dimension not sharded otherwise and divisible by the data axis size, if any"
+      if plan.params_sharded
+      else "parameters stay replicated over the data axes"
+    )
     raise ValueError(
-        f"{where} has sharding spec {_spec(given)}, which conflicts with strategy={plan.strategy!r} "
-        f"over data axes {plan.batch_axes}: it expects {_spec(param)} ({rule}). Place parameters and "
-        "optimizer state with ja.shard_train_state(params, optimizer, mesh, strategy=...).")
+      f"{where} has sharding spec {_spec(given)}, which conflicts with strategy={plan.strategy!r} "
+      f"over data axes {plan.batch_axes}: it expects {_spec(param)} ({rule}). Place parameters and "
+      "optimizer state with ja.shard_train_state(params, optimizer, mesh, strategy=...)."
+    )
   other = any(e is not None for e in base)
   return _Leaf(_spec(param), _spec(opt), dim, other)
 
@@ -253,8 +268,11 @@ def _state_specs(optimizer, params_shape, layouts, mesh, plan):
   """Specs of the optimizer state: parameter-shaped leaves follow their parameter, the rest the layout rule."""
   state_shape = jax.eval_shape(optimizer.init, params_shape)
   bases = jax.tree.map(
-      lambda p, lay: _Base(p.shape, [None if e == plan.shard_axis else e for e in _entries(lay.opt_spec, p.ndim)]),
-      params_shape, layouts, is_leaf=_is_leaf)
+    lambda p, lay: _Base(p.shape, [None if e == plan.shard_axis else e for e in _entries(lay.opt_spec, p.ndim)]),
+    params_shape,
+    layouts,
+    is_leaf=_is_leaf,
+  )
 
   def for_param(s, b):
     base = b.base if tuple(s.shape) == tuple(b.shape) else [None] * s.ndim
@@ -263,8 +281,14 @@ def _state_specs(optimizer, params_shape, layouts, mesh, plan):
   def for_other(s):
     return _spec(_layout(s.shape, [None] * s.ndim, mesh, plan.shard_axis)[0])
 
-  specs = optax.tree_map_params(optimizer, for_param, state_shape, bases, transform_non_params=for_other,
-                                is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+  specs = optax.tree_map_params(
+    optimizer,
+    for_param,
+    state_shape,
+    bases,
+    transform_non_params=for_other,
+    is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+  )
   return state_shape, specs
 
 
@@ -310,18 +334,17 @@ def shard_train_state(params, optimizer, mesh: Mesh, *, strategy: str = "ddp", d
   opt_specs = jax.tree.map(lambda lay: lay.opt_spec, layouts, is_leaf=_is_leaf)
   params_shape = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _tree.dtype_of(x)), params)
   _, state_specs = _state_specs(optimizer, params_shape, layouts, mesh, plan)
-  state_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs,
-                          is_leaf=lambda x: isinstance(x, PartitionSpec))
+  state_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
   placed = jax.tree.map(_put, params, param_sh)
 
   def init(p):
     # A copy, so that a donating step never deletes the caller's buffers.
     p = jax.tree.map(jnp.copy, p)
-    piece = jax.tree.map(lambda x, s: _place(x, mesh, s), p, opt_specs,
-                         is_leaf=lambda x: isinstance(x, PartitionSpec))
+    piece = jax.tree.map(lambda x, s: _place(x, mesh, s), p, opt_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     state = optimizer.init(piece)
-    state = jax.tree.map(lambda x, s: _place(x, mesh, s), state, state_specs,
-                         is_leaf=lambda x: isinstance(x, PartitionSpec))
+    state = jax.tree.map(
+      lambda x, s: _place(x, mesh, s), state, state_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
     return p, state
 
   return jax.jit(init, out_shardings=(param_sh, state_sh))(placed)
@@ -390,7 +413,7 @@ def _reduce_scatter(xs, leaves, axis, size, wire):
       x, dim = xs[j], leaves[j].dim
       block = x.shape[dim] // size
       n = row.shape[1]
-      piece = mine[offset:offset + n].reshape((block,) + tuple(np.delete(x.shape, dim)))
+      piece = mine[offset : offset + n].reshape((block,) + tuple(np.delete(x.shape, dim)))
       out[j] = jnp.moveaxis(piece, 0, dim).astype(x.dtype)
       offset += n
   return out
@@ -413,7 +436,7 @@ def _all_gather(xs, leaves, axis, size, to):
     for j, flat in zip(group, flats, strict=True):
       x, dim = xs[j], leaves[j].dim
       rest = tuple(np.delete(x.shape, dim))
-      piece = full[:, offset:offset + flat.size].reshape((size * x.shape[dim],) + rest)
+      piece = full[:, offset : offset + flat.size].reshape((size * x.shape[dim],) + rest)
       out[j] = jnp.moveaxis(piece, 0, dim)
       offset += flat.size
   return out
@@ -423,18 +446,18 @@ def _all_gather(xs, leaves, axis, size, to):
 
 
 def make_sharded_train_step(
-    loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation,
-    *,
-    strategy: str,
-    mesh: Mesh,
-    data_axis: Any = "data",
-    num_microbatches: int = 1,
-    has_aux: bool = False,
-    weight_fn: Callable[[Any], Any] | None = None,
-    donate: bool = True,
-    comm_dtype: Any = None,
-    fsdp_gather: str = "per_microbatch",
+  loss_fn: Callable[..., Any],
+  optimizer: optax.GradientTransformation,
+  *,
+  strategy: str,
+  mesh: Mesh,
+  data_axis: Any = "data",
+  num_microbatches: int = 1,
+  has_aux: bool = False,
+  weight_fn: Callable[[Any], Any] | None = None,
+  donate: bool = True,
+  comm_dtype: Any = None,
+  fsdp_gather: str = "per_microbatch",
 ):
   r"""Returns `step(params, opt_state, batch, key=None) -> (params, opt_state, metrics)` for `strategy`.
 
@@ -498,8 +521,18 @@ def make_sharded_train_step(
       raise ValueError(f"{comm_dtype=} must be a floating dtype (an integer wire dtype truncates)")
   if fsdp_gather not in FSDP_GATHERS:
     raise ValueError(f"{fsdp_gather=} is not one of {FSDP_GATHERS}")
-  return _ShardedStep(loss_fn, optimizer, plan, mesh, k, has_aux, weight_fn, donate, comm_dtype,
-                      lean=plan.params_sharded and fsdp_gather == "per_microbatch")
+  return _ShardedStep(
+    loss_fn,
+    optimizer,
+    plan,
+    mesh,
+    k,
+    has_aux,
+    weight_fn,
+    donate,
+    comm_dtype,
+    lean=plan.params_sharded and fsdp_gather == "per_microbatch",
+  )
 
 
 class _ShardedStep:
@@ -517,15 +550,18 @@ class _ShardedStep:
     for path, sh in jax.tree_util.tree_leaves_with_path(state_sh):
       if not isinstance(sh, NamedSharding) or not _same_mesh(sh.mesh, self.mesh):
         raise ValueError(
-            f"opt_state{jax.tree_util.keystr(path)} has sharding {sh}, not on the mesh: create it with "
-            "ja.shard_train_state(params, optimizer, mesh, strategy=...)")
+          f"opt_state{jax.tree_util.keystr(path)} has sharding {sh}, not on the mesh: create it with "
+          "ja.shard_train_state(params, optimizer, mesh, strategy=...)"
+        )
     key = (treedef, tuple(flat), jax.tree.structure(state_sh), tuple(jax.tree.leaves(state_sh)))
     fn = self._cache.get(key)
     if fn is None:
       param_sh = jax.tree.map(lambda lay: NamedSharding(self.mesh, lay.param_spec), layouts, is_leaf=_is_leaf)
-      fn = jax.jit(functools.partial(self._step, layouts, state_sh),
-                   donate_argnums=(0, 1) if self.donate else (),
-                   out_shardings=(param_sh, state_sh, None))
+      fn = jax.jit(
+        functools.partial(self._step, layouts, state_sh),
+        donate_argnums=(0, 1) if self.donate else (),
+        out_shardings=(param_sh, state_sh, None),
+      )
       self._cache[key] = fn
     return fn
 
@@ -535,10 +571,11 @@ class _ShardedStep:
       for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
           raise ValueError(
-              f"{name}{jax.tree_util.keystr(path)} was deleted: it was donated to a previous call of this step "
-              "(donate=True gives the buffers of params and opt_state to the outputs). Use the step's outputs "
-              "for the next call, rebind: params, opt_state, metrics = step(params, opt_state, batch), or build "
-              "the step with donate=False.")
+            f"{name}{jax.tree_util.keystr(path)} was deleted: it was donated to a previous call of this step "
+            "(donate=True gives the buffers of params and opt_state to the outputs). Use the step's outputs "
+            "for the next call, rebind: params, opt_state, metrics = step(params, opt_state, batch), or build "
+            "the step with donate=False."
+          )
     return self._jitted(params, opt_state)(params, opt_state, batch, key)
 
   def lower(self, params, opt_state, batch, key=None):
@@ -554,8 +591,9 @@ class _ShardedStep:
         raise ValueError(f"batch{jax.tree_util.keystr(path)} is a scalar; every batch leaf needs a leading batch axis")
       if jnp.shape(x)[0] % (shards * self.k):
         raise ValueError(
-            f"the batch's leading size {jnp.shape(x)[0]} is not divisible by {shards} devices on "
-            f"data axes {plan.batch_axes} times num_microbatches={self.k}")
+          f"the batch's leading size {jnp.shape(x)[0]} is not divisible by {shards} devices on "
+          f"data axes {plan.batch_axes} times num_microbatches={self.k}"
+        )
     manual = set(plan.batch_axes)
     batch_axes = plan.batch_axes[0] if len(plan.batch_axes) == 1 else plan.batch_axes
     param_in = jax.tree.map(lambda lay: _manual_spec(lay.param_spec, manual), layouts, is_leaf=_is_leaf)
@@ -563,9 +601,12 @@ class _ShardedStep:
     key_spec = None if key is None else PartitionSpec()
     grads_body = functools.partial(self._grads, layouts)
     grads, metrics = jax.shard_map(
-        grads_body, mesh=mesh, axis_names=manual,
-        in_specs=(param_in, PartitionSpec(batch_axes), key_spec),
-        out_specs=(grad_out, PartitionSpec()))(params, batch, key)
+      grads_body,
+      mesh=mesh,
+      axis_names=manual,
+      in_specs=(param_in, PartitionSpec(batch_axes), key_spec),
+      out_specs=(grad_out, PartitionSpec()),
+    )(params, batch, key)
 
     total = metrics.pop("weight")
     # NaN (an invalid weight somewhere) compares False too.
@@ -601,9 +642,12 @@ class _ShardedStep:
       return tuple(out)
 
     out = jax.shard_map(
-        body, mesh=mesh, axis_names=manual,
-        in_specs=tuple(_manual_spec(lay.opt_spec, manual) for lay in flat_l),
-        out_specs=tuple(_manual_spec(lay.param_spec, manual) for lay in flat_l))(*jax.tree.leaves(pieces))
+      body,
+      mesh=mesh,
+      axis_names=manual,
+      in_specs=tuple(_manual_spec(lay.opt_spec, manual) for lay in flat_l),
+      out_specs=tuple(_manual_spec(lay.param_spec, manual) for lay in flat_l),
+    )(*jax.tree.leaves(pieces))
     return jax.tree.unflatten(treedef, out)
 
   def _grads(self, layouts, params, batch, key):

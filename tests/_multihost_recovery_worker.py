@@ -20,9 +20,8 @@ import sys
 import time
 import traceback
 
-import numpy as np
-
 import _multihost_worker as base
+import numpy as np
 
 T0 = time.time()
 STEPS, FAIL_AFTER, EVERY_K = 5, 3, 2
@@ -46,7 +45,7 @@ def run_guarded(main, *args) -> None:
 
 
 def checkpoints(outdir: str) -> list[int]:
-  return sorted(int(n[len("step_"):]) for n in os.listdir(outdir) if n.startswith("step_") and n[5:].isdigit())
+  return sorted(int(n[len("step_") :]) for n in os.listdir(outdir) if n.startswith("step_") and n[5:].isdigit())
 
 
 def log(*what) -> None:
@@ -55,15 +54,22 @@ def log(*what) -> None:
 
 def main(port: str, process_id: str, outdir: str, mode: str) -> None:
   import jax  # noqa: PLC0415
+
   log("jax imported")
   jax.config.update("jax_num_cpu_devices", base.LOCAL_DEVICES)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_enable_x64", True)
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=base.NUM_PROCESSES,
-                             process_id=int(process_id), initialization_timeout=INIT_S,
-                             heartbeat_timeout_seconds=HEARTBEAT_S, shutdown_timeout_seconds=SHUTDOWN_S)
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=base.NUM_PROCESSES,
+    process_id=int(process_id),
+    initialization_timeout=INIT_S,
+    heartbeat_timeout_seconds=HEARTBEAT_S,
+    shutdown_timeout_seconds=SHUTDOWN_S,
+  )
   log("jax.distributed initialized")
   import optax  # noqa: PLC0415
+
   import jaxaccum as ja  # noqa: PLC0415
 
   params, (x, y) = base.problem()
@@ -79,8 +85,9 @@ def main(port: str, process_id: str, outdir: str, mode: str) -> None:
     first = checkpoints(outdir)[-1]
     p, s = ja.checkpoint.restore(os.path.join(outdir, f"step_{first}"), (p, s))
     if jax.process_index() == 0:
-      np.savez(os.path.join(outdir, "restored.npz"), *[np.asarray(a.addressable_data(0)) for a in
-                                                        jax.tree.leaves((p, s))])
+      np.savez(
+        os.path.join(outdir, "restored.npz"), *[np.asarray(a.addressable_data(0)) for a in jax.tree.leaves((p, s))]
+      )
   for i in range(first, STEPS):
     p, s, _ = step(p, s, batch)
     log("step", i + 1)
@@ -88,8 +95,9 @@ def main(port: str, process_id: str, outdir: str, mode: str) -> None:
       ja.checkpoint.save(os.path.join(outdir, f"step_{i + 1}"), (p, s))
       if i + 1 == FAIL_AFTER:
         if jax.process_index() == 0:
-          np.savez(os.path.join(outdir, "saved.npz"), *[np.asarray(a.addressable_data(0)) for a in
-                                                         jax.tree.leaves((p, s))])
+          np.savez(
+            os.path.join(outdir, "saved.npz"), *[np.asarray(a.addressable_data(0)) for a in jax.tree.leaves((p, s))]
+          )
         elif mode == "raise":
           raise RuntimeError(f"worker 1 fails after step {i + 1}")
         else:

@@ -17,8 +17,12 @@ DEVICES = NUM_PROCESSES * LOCAL_DEVICES
 SEED = 42  # the PRNG key passed to the step
 # (name, strategy, options). hsdp: replicas across the processes, shards within one (the layout
 # hsdp is for: the slow link between hosts carries one all-reduce per step).
-RUNS = (("zero1", "zero1", {}), ("fsdp", "fsdp", {}), ("fsdp_once", "fsdp", {"fsdp_gather": "once"}),
-        ("hsdp", "hsdp", {}))
+RUNS = (
+  ("zero1", "zero1", {}),
+  ("fsdp", "fsdp", {}),
+  ("fsdp_once", "fsdp", {"fsdp_gather": "once"}),
+  ("hsdp", "hsdp", {}),
+)
 
 
 def problem():
@@ -35,13 +39,16 @@ def problem():
   mask = (rng.random(ROWS) > 0.25).astype(np.float64)
   mask[12:24:2] = 0.0
   # (3, 8) and (8,) shard on their 8, (8, 2) on its 8 rows; the (2,) bias stays replicated.
-  params = [{"w": rng.normal(size=(3, 8)) / np.sqrt(3), "b": np.full(8, 0.1)},
-            {"w": rng.normal(size=(8, 2)) / np.sqrt(8), "b": np.full(2, 0.1)}]
+  params = [
+    {"w": rng.normal(size=(3, 8)) / np.sqrt(3), "b": np.full(8, 0.1)},
+    {"w": rng.normal(size=(8, 2)) / np.sqrt(8), "b": np.full(2, 0.1)},
+  ]
   return params, {"x": x, "y": y, "mask": mask}
 
 
 def optimizer():
   import optax  # noqa: PLC0415
+
   # Global quantities across the processes: the clipping norm and lamb's per-leaf trust ratios.
   return optax.chain(optax.clip_by_global_norm(0.5), optax.lamb(1e-2))
 
@@ -50,6 +57,7 @@ def loss_fn(params, batch, key):
   """Masked mean of the squared error, each row scaled by a random factor drawn from `key`."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
+
   h = jnp.tanh(batch["x"] @ params[0]["w"] + params[0]["b"])
   err = jnp.sum((h @ params[1]["w"] + params[1]["b"] - batch["y"]) ** 2, axis=-1)
   scale = 1.0 + 0.5 * jax.random.uniform(key, err.shape, err.dtype)
@@ -65,6 +73,7 @@ def mesh_for(strategy):
   from jax.sharding import AxisType, Mesh  # noqa: PLC0415
 
   import jaxaccum as ja  # noqa: PLC0415
+
   if strategy != "hsdp":
     return ja.data_mesh(), "data"  # Auto axis type
   # Row r of the mesh is process r's devices; Explicit axes (jax.make_mesh's default).
@@ -75,11 +84,16 @@ def mesh_for(strategy):
 
 def main(port: str, process_id: str, out_dir: str) -> None:
   import jax  # noqa: PLC0415
+
   jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_enable_x64", True)
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=NUM_PROCESSES,
-                             process_id=int(process_id), initialization_timeout=60)
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=NUM_PROCESSES,
+    process_id=int(process_id),
+    initialization_timeout=60,
+  )
   from jax.experimental import multihost_utils  # noqa: PLC0415
 
   import jaxaccum as ja  # noqa: PLC0415
@@ -96,8 +110,9 @@ def main(port: str, process_id: str, out_dir: str) -> None:
   for name, strategy, options in RUNS:
     mesh, axes = mesh_for(strategy)
     p, s = ja.shard_train_state(params, opt, mesh, strategy=strategy, data_axis=axes)
-    step = sharded.make_sharded_train_step(loss_fn, opt, strategy=strategy, mesh=mesh, data_axis=axes,
-                                           num_microbatches=K, weight_fn=weight_fn, **options)
+    step = sharded.make_sharded_train_step(
+      loss_fn, opt, strategy=strategy, mesh=mesh, data_axis=axes, num_microbatches=K, weight_fn=weight_fn, **options
+    )
     placed = ja.shard_batch(local, mesh, axes)
     losses, weights = [], []
     for _ in range(STEPS):
@@ -107,19 +122,29 @@ def main(port: str, process_id: str, out_dir: str) -> None:
     here = set(jax.local_devices())
     # Bytes this process's first device holds, and the total (global) bytes.
     first = jax.local_devices()[0]
-    held = {f"held_{what}": sum(sh.data.nbytes for x in jax.tree.leaves(tree) for sh in x.addressable_shards
-                                if sh.device == first)
-            for what, tree in (("params", p), ("state", s))}
-    totals = {f"total_{what}": sum(x.nbytes for x in jax.tree.leaves(tree)) for what, tree in (("params", p),
-                                                                                                 ("state", s))}
+    held = {
+      f"held_{what}": sum(
+        sh.data.nbytes for x in jax.tree.leaves(tree) for sh in x.addressable_shards if sh.device == first
+      )
+      for what, tree in (("params", p), ("state", s))
+    }
+    totals = {
+      f"total_{what}": sum(x.nbytes for x in jax.tree.leaves(tree)) for what, tree in (("params", p), ("state", s))
+    }
     assert all(sh.device in here for x in jax.tree.leaves(p) for sh in x.addressable_shards)
     # Collective: every process takes part, each gets the full values.
     full_p = multihost_utils.process_allgather(p, tiled=True)
     full_s = multihost_utils.process_allgather(s, tiled=True)
     leaves = {f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(full_p))}
     leaves.update({f"s{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(full_s))})
-    np.savez(f"{out_dir}/{name}.{jax.process_index()}.npz", losses=np.stack(losses), weights=np.asarray(weights),
-             **held, **totals, **leaves)
+    np.savez(
+      f"{out_dir}/{name}.{jax.process_index()}.npz",
+      losses=np.stack(losses),
+      weights=np.asarray(weights),
+      **held,
+      **totals,
+      **leaves,
+    )
   jax.distributed.shutdown()
 
 

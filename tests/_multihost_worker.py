@@ -17,13 +17,16 @@ def problem():
   rng = np.random.default_rng(0)
   x = rng.normal(size=(ROWS, 3))
   y = np.sin(x @ rng.normal(size=(3, 2)))
-  params = [{"w": rng.normal(size=(3, 8)) / np.sqrt(3), "b": np.full(8, 0.1)},
-            {"w": rng.normal(size=(8, 2)) / np.sqrt(8), "b": np.full(2, 0.1)}]
+  params = [
+    {"w": rng.normal(size=(3, 8)) / np.sqrt(3), "b": np.full(8, 0.1)},
+    {"w": rng.normal(size=(8, 2)) / np.sqrt(8), "b": np.full(2, 0.1)},
+  ]
   return params, (x, y)
 
 
 def loss_fn(params, batch):
   import jax.numpy as jnp  # noqa: PLC0415
+
   x, y = batch
   h = jnp.tanh(x @ params[0]["w"] + params[0]["b"])
   return jnp.mean(jnp.sum((h @ params[1]["w"] + params[1]["b"] - y) ** 2, axis=-1))
@@ -31,12 +34,18 @@ def loss_fn(params, batch):
 
 def main(port: str, process_id: str, out: str) -> None:
   import jax  # noqa: PLC0415
+
   jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.config.update("jax_enable_x64", True)
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=NUM_PROCESSES,
-                             process_id=int(process_id), initialization_timeout=60)
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=NUM_PROCESSES,
+    process_id=int(process_id),
+    initialization_timeout=60,
+  )
   import optax  # noqa: PLC0415
+
   import jaxaccum as ja  # noqa: PLC0415
 
   assert jax.process_count() == NUM_PROCESSES and jax.device_count() == NUM_PROCESSES * LOCAL_DEVICES
@@ -54,7 +63,7 @@ def main(port: str, process_id: str, out: str) -> None:
     losses.append(np.asarray(metrics["loss"].addressable_data(0)))
   flat = [np.asarray(leaf.addressable_data(0)) for leaf in jax.tree.leaves(p)]
   if jax.process_index() == 0:
-    np.savez(out, losses=np.stack(losses), *flat)
+    np.savez(out, *flat, losses=np.stack(losses))
   jax.distributed.shutdown()
 
 

@@ -24,7 +24,7 @@ import pytest
 def mlp_init(key, sizes, dtype=jnp.float64):
   """Parameters of a small tanh MLP: a list of {"w", "b"} dicts."""
   params = []
-  for k, (m, n) in zip(jax.random.split(key, len(sizes) - 1), zip(sizes[:-1], sizes[1:])):
+  for k, (m, n) in zip(jax.random.split(key, len(sizes) - 1), zip(sizes[:-1], sizes[1:], strict=False), strict=False):
     params.append({"w": (jax.random.normal(k, (m, n)) / np.sqrt(m)).astype(dtype), "b": jnp.full((n,), 0.1, dtype)})
   return params
 

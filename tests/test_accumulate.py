@@ -12,22 +12,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import mlp_apply, mlp_init, mse_loss, regression_data
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxaccum as ja
 from jaxaccum import _hlo
-from conftest import mlp_apply, mlp_init, mse_loss, regression_data
 
 RTOL = 1e-12
 
 OPTIMIZERS = {
-    "sgd": lambda: optax.sgd(0.1),
-    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
-    "adam": lambda: optax.adam(0.05),
-    "amsgrad": lambda: optax.amsgrad(0.05),
-    "adamw": lambda: optax.adamw(0.05, weight_decay=0.1),
-    "lamb": lambda: optax.lamb(0.05),
+  "sgd": lambda: optax.sgd(0.1),
+  "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+  "adam": lambda: optax.adam(0.05),
+  "amsgrad": lambda: optax.amsgrad(0.05),
+  "adamw": lambda: optax.adamw(0.05, weight_decay=0.1),
+  "lamb": lambda: optax.lamb(0.05),
 }
 
 
@@ -35,7 +36,7 @@ def split_rows(data, sizes):
   """Consecutive microbatches of the given sizes."""
   x, y = data
   edges = np.cumsum([0] + list(sizes))
-  return [(x[a:b], y[a:b]) for a, b in zip(edges[:-1], edges[1:])]
+  return [(x[a:b], y[a:b]) for a, b in zip(edges[:-1], edges[1:], strict=False)]
 
 
 def full_batch_run(opt, params, loss_fn, windows):
@@ -57,6 +58,7 @@ def make_step(tx, loss_fn):
     grads = jax.grad(loss_fn)(params, batch)
     updates, state = tx.update(grads, state, params, weight=weight)
     return optax.apply_updates(params, updates), state, updates
+
   return step
 
 
@@ -84,7 +86,7 @@ def accumulate_run(tx, params, loss_fn, windows, weighted=True):
 def test_equals_full_batch(problem, name, k):
   params, loss_fn, data = problem
   micro = split_rows(data, [8] * (3 * k))
-  windows = [micro[i * k:(i + 1) * k] for i in range(3)]
+  windows = [micro[i * k : (i + 1) * k] for i in range(3)]
   expected = full_batch_run(OPTIMIZERS[name](), params, loss_fn, windows)
   got, state = accumulate_run(ja.accumulate(OPTIMIZERS[name](), k), params, loss_fn, windows, weighted=False)
   chex.assert_trees_all_close(got, expected, rtol=RTOL, atol=0)
@@ -125,7 +127,7 @@ def keras_adam_accumulate(params, batches, lr, decay, accum_iters, beta_1=0.9, b
     completed_updates = float(iterations // accum_iters)
     lr_d = lr * (1.0 / (1.0 + decay * completed_updates)) if decay > 0 else lr
     t = completed_updates + 1
-    lr_t = lr_d * (np.sqrt(1.0 - beta_2 ** t) / (1.0 - beta_1 ** t))
+    lr_t = lr_d * (np.sqrt(1.0 - beta_2**t) / (1.0 - beta_1**t))
     update_switch = float((iterations + 1) % accum_iters == 0)
     sum_grad = tg + g
     avg_grad = sum_grad / accum_iters
@@ -166,7 +168,7 @@ def test_every_k_schedule(problem):
   micro = split_rows(data, [6] * sum(sizes))
   windows, start = [], 0
   for size in sizes:
-    windows.append(micro[start:start + size])
+    windows.append(micro[start : start + size])
     start += size
   expected = full_batch_run(optax.adam(0.05), params, loss_fn, windows)
   got, state = accumulate_run(ja.accumulate(optax.adam(0.05), every_k), params, loss_fn, windows)
@@ -180,6 +182,7 @@ class CountState(NamedTuple):
 
 def counting(inner):
   """Wraps `inner`, counting in its state how many times its update ran."""
+
   def init(params):
     return CountState(jnp.zeros([], jnp.int32)), inner.init(params)
 
@@ -208,12 +211,16 @@ def test_no_copy_of_inner_state_on_micro_steps():
   params = {"a": jnp.ones((64, 32)), "b": jnp.ones((48,)), "c": jnp.ones((16, 8))}
   loss_fn = lambda p, x: jnp.sum(jnp.tanh(p["a"] * x) ** 2) + jnp.sum(p["b"] ** 3) + jnp.sum(p["c"] ** 2 * x)
   for tx in [ja.accumulate(optax.adam(0.1), 4), ja.accumulate(optax.adam(0.1), 4, skip_nonfinite=True)]:
+
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, state, x):
       updates, state = tx.update(jax.grad(loss_fn)(params, x), state, params)
       return optax.apply_updates(params, updates), state
+
     hlo = step.lower(params, tx.init(params), jnp.float64(0.5)).compile().as_text()
-    big_copies = [line for line in hlo.splitlines() if " copy(" in line and "[]" not in line.split("=")[1].split(" copy(")[0]]
+    big_copies = [
+      line for line in hlo.splitlines() if " copy(" in line and "[]" not in line.split("=")[1].split(" copy(")[0]
+    ]
     assert not big_copies, big_copies
     assert _hlo.count(hlo, "conditional") >= 1
 
@@ -256,8 +263,10 @@ def test_fused_apply_gradients_mixed_dtypes_against_plain_arithmetic():
   """bf16 and float32 params through the fused path: dtypes kept, values as written out by hand."""
   params = {"w": jnp.ones((4, 3), jnp.bfloat16), "b": jnp.zeros((3,), jnp.float32)}
   tx = ja.accumulate(optax.sgd(0.5), 2)
-  grads = [{"w": jnp.full((4, 3), 0.25 * (i + 1), jnp.bfloat16), "b": jnp.arange(3.0, dtype=jnp.float32) * (i - 1.5)}
-           for i in range(4)]
+  grads = [
+    {"w": jnp.full((4, 3), 0.25 * (i + 1), jnp.bfloat16), "b": jnp.arange(3.0, dtype=jnp.float32) * (i - 1.5)}
+    for i in range(4)
+  ]
   fused = jax.jit(tx.update.apply_gradients)
   p, state = params, tx.init(params)
   for g in grads:
@@ -279,8 +288,9 @@ def test_a_wrapped_update_is_not_bypassed_by_the_fused_path():
   def clipped(grads, state, params=None, **kw):
     return tx.update(jax.tree.map(lambda g: jnp.clip(g, -1.0, 1.0), grads), state, params, **kw)
 
-  state = ja.flax.TrainState.create(apply_fn=None, params={"w": jnp.zeros(2)},
-                                    tx=optax.GradientTransformationExtraArgs(tx.init, clipped))
+  state = ja.flax.TrainState.create(
+    apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.GradientTransformationExtraArgs(tx.init, clipped)
+  )
   state = state.apply_gradients(grads={"w": jnp.full(2, 10.0)})
   np.testing.assert_array_equal(state.params["w"], -np.ones(2))
 
@@ -328,15 +338,18 @@ _property_update = jax.jit(optax.sgd(0.3, momentum=0.5).update)
 
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(
-    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6),
-    scale=st.floats(0.25, 4.0),
+  sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+  scale=st.floats(0.25, 4.0),
 )
 def test_property_weighted_window_is_full_batch(sizes, scale):
   """Random microbatch sizes and weight scales: the window's update is the full-batch update."""
   params = mlp_init(jax.random.PRNGKey(2), (3, 4, 2))
   x, y = regression_data(jax.random.PRNGKey(3), 54)  # masks select rows: one compile for every size
   edges = np.cumsum([0] + sizes)
-  masks = [jnp.asarray((np.arange(54) >= a) & (np.arange(54) < b), jnp.float64) for a, b in zip(edges[:-1], edges[1:])]
+  masks = [
+    jnp.asarray((np.arange(54) >= a) & (np.arange(54) < b), jnp.float64)
+    for a, b in zip(edges[:-1], edges[1:], strict=False)
+  ]
   union = jnp.asarray(np.arange(54) < edges[-1], jnp.float64)
   inner = optax.sgd(0.3, momentum=0.5)
   expected, _ = _property_update(_masked_grad(params, x, y, union), inner.init(params), params)
@@ -344,14 +357,14 @@ def test_property_weighted_window_is_full_batch(sizes, scale):
   tx = ja.accumulate(inner, len(sizes))
   update = _jitted_update(len(sizes))
   state = tx.init(params)
-  for mask, n in zip(masks, sizes):
+  for mask, n in zip(masks, sizes, strict=False):
     # Any common scale of the weights gives the same mean.
     updates, state = update(_masked_grad(params, x, y, mask), state, params, jnp.float64(scale * n))
   assert bool(ja.has_updated(state))
   chex.assert_trees_all_close(updates, expected, rtol=1e-11, atol=1e-15)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted_update(k):
   tx = ja.accumulate(optax.sgd(0.3, momentum=0.5), k)
   return jax.jit(lambda g, s, p, w: tx.update(g, s, p, weight=w))
@@ -366,12 +379,18 @@ def test_dtypes_bf16_params_mixed_inner_state():
   tx = ja.accumulate(inner, 2)
   state = tx.init(params)
   assert state.acc_grads["w"].dtype == jnp.float32 and state.acc_grads["b"].dtype == jnp.float32
-  grads = [{"w": jnp.full((4, 3), 0.1 * (i + 1), jnp.bfloat16), "b": jnp.full((3,), 0.5 * i, jnp.float32)} for i in range(2)]
+  grads = [
+    {"w": jnp.full((4, 3), 0.1 * (i + 1), jnp.bfloat16), "b": jnp.full((3,), 0.5 * i, jnp.float32)} for i in range(2)
+  ]
   update = jax.jit(tx.update)
   for g in grads:
     updates, state = update(g, state, params)
   assert updates["w"].dtype == jnp.bfloat16 and updates["b"].dtype == jnp.float32
-  expected, _ = inner.update(jax.tree.map(lambda a, b: ((a.astype(jnp.float32) + b.astype(jnp.float32)) / 2).astype(a.dtype), *grads), inner.init(params), params)
+  expected, _ = inner.update(
+    jax.tree.map(lambda a, b: ((a.astype(jnp.float32) + b.astype(jnp.float32)) / 2).astype(a.dtype), *grads),
+    inner.init(params),
+    params,
+  )
   chex.assert_trees_all_close(updates, expected, rtol=1e-2)
   # float64 grads stay float64; an explicit accumulator dtype is honoured.
   assert ja.accumulate(inner, 2).init({"x": jnp.zeros(2, jnp.float64)}).acc_grads["x"].dtype == jnp.float64
@@ -385,12 +404,16 @@ def test_inner_state_that_changes_dtype_when_inner_runs(fused):
   as plain optax leaves it, and the updates equal plain optax on the window means."""
   params = {"w": jnp.ones((2, 3), jnp.bfloat16), "b": jnp.zeros((3,), jnp.float32)}
   inner = optax.adam(0.1)
-  grads = [{"w": jnp.full((2, 3), 0.1 * (i + 1), jnp.float32), "b": jnp.arange(3.0, dtype=jnp.float32) - i}
-           for i in range(4)]
+  grads = [
+    {"w": jnp.full((2, 3), 0.1 * (i + 1), jnp.float32), "b": jnp.arange(3.0, dtype=jnp.float32) - i} for i in range(4)
+  ]
   tx = ja.accumulate(inner, 2)
   state, p = tx.init(params), params
-  step = jax.jit(tx.update.apply_gradients if fused else
-                 lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+  step = jax.jit(
+    tx.update.apply_gradients
+    if fused
+    else lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p))
+  )
   ref_state, ref_p = inner.init(params), params
   for i, g in enumerate(grads):
     p, state = step(g, state, p)
@@ -446,7 +469,7 @@ def device_windows(data, num_devices, k, sizes_per_device):
   for d in range(num_devices):
     for i in range(k):
       n = sizes_per_device[d]
-      rows[d, i] = (x[start:start + n], y[start:start + n])
+      rows[d, i] = (x[start : start + n], y[start : start + n])
       start += n
   return rows
 
@@ -500,32 +523,46 @@ def test_data_parallel_unequal_tokens_equals_one_device(style, tmp_path):
     state_spec = jax.tree.map(lambda _: P(), state)
     # The per-device fields (documented): acc_grads, acc_weight and num_skipped (a traced
     # weight that is invalid on one device is dropped and counted there).
-    state_spec = state_spec._replace(acc_grads=jax.tree.map(lambda _: P("data"), state.acc_grads), acc_weight=P("data"),
-                                     num_skipped=P("data"))
-    step = jax.jit(jax.shard_map(
+    state_spec = state_spec._replace(
+      acc_grads=jax.tree.map(lambda _: P("data"), state.acc_grads), acc_weight=P("data"), num_skipped=P("data")
+    )
+    step = jax.jit(
+      jax.shard_map(
         functools.partial(_squeeze_step, local_step),
-        mesh=mesh, in_specs=(P(), state_spec, P("data")), out_specs=(P(), state_spec)))
+        mesh=mesh,
+        in_specs=(P(), state_spec, P("data")),
+        out_specs=(P(), state_spec),
+      )
+    )
     # The local accumulator differs per device: give each device its own slot.
-    state = state._replace(acc_grads=jax.tree.map(lambda a: jnp.stack([a] * n_dev), state.acc_grads),
-                           acc_weight=jnp.stack([state.acc_weight] * n_dev),
-                           num_skipped=jnp.stack([state.num_skipped] * n_dev))
+    state = state._replace(
+      acc_grads=jax.tree.map(lambda a: jnp.stack([a] * n_dev), state.acc_grads),
+      acc_weight=jnp.stack([state.acc_weight] * n_dev),
+      num_skipped=jnp.stack([state.num_skipped] * n_dev),
+    )
     p = params
     for i in range(k):
       p, state = step(p, state, padded(i))
 
   union = [jax.tree.map(lambda *xs: jnp.concatenate(xs), *[rows[d, i] for d in range(n_dev) for i in range(k)])]
-  expected = full_batch_run(optax.adam(0.05), params, lambda q, b: jnp.mean(jnp.sum((mlp_apply(q, b[0]) - b[1]) ** 2, -1)), [union])
+  expected = full_batch_run(
+    optax.adam(0.05), params, lambda q, b: jnp.mean(jnp.sum((mlp_apply(q, b[0]) - b[1]) ** 2, -1)), [union]
+  )
   chex.assert_trees_all_close(p, expected[0], rtol=RTOL, atol=0)
 
 
 def _squeeze_step(local_step, p, s, batch):
   """Inside shard_map: drop the per-device leading axis of the batch and of the local accumulator."""
   batch = jax.tree.map(lambda x: x[0], batch)
-  s = s._replace(acc_grads=jax.tree.map(lambda a: a[0], s.acc_grads), acc_weight=s.acc_weight[0],
-                 num_skipped=s.num_skipped[0])
+  s = s._replace(
+    acc_grads=jax.tree.map(lambda a: a[0], s.acc_grads), acc_weight=s.acc_weight[0], num_skipped=s.num_skipped[0]
+  )
   p, s = local_step(p, s, batch)
-  return p, s._replace(acc_grads=jax.tree.map(lambda a: a[None], s.acc_grads), acc_weight=s.acc_weight[None],
-                       num_skipped=s.num_skipped[None])
+  return p, s._replace(
+    acc_grads=jax.tree.map(lambda a: a[None], s.acc_grads),
+    acc_weight=s.acc_weight[None],
+    num_skipped=s.num_skipped[None],
+  )
 
 
 def test_shard_map_recipe_with_skip_nonfinite_and_the_fused_path():
@@ -545,8 +582,9 @@ def test_shard_map_recipe_with_skip_nonfinite_and_the_fused_path():
 
   # --- from the README
   def per_device(state, f):
-    return state._replace(acc_grads=jax.tree.map(f, state.acc_grads), acc_weight=f(state.acc_weight),
-                          num_skipped=f(state.num_skipped))
+    return state._replace(
+      acc_grads=jax.tree.map(f, state.acc_grads), acc_weight=f(state.acc_weight), num_skipped=f(state.num_skipped)
+    )
 
   state = per_device(tx.init(params), lambda a: jnp.stack([a] * n))
   spec = per_device(jax.tree.map(lambda _: P(), state), lambda _: P("data"))
@@ -561,7 +599,10 @@ def test_shard_map_recipe_with_skip_nonfinite_and_the_fused_path():
   for m in micro:
     p, state = step(p, state, m)
   assert np.asarray(state.num_skipped).tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
-  kept = [micro[0], (jnp.delete(micro[1][0], jnp.arange(12, 16), axis=0), jnp.delete(micro[1][1], jnp.arange(12, 16), axis=0))]
+  kept = [
+    micro[0],
+    (jnp.delete(micro[1][0], jnp.arange(12, 16), axis=0), jnp.delete(micro[1][1], jnp.arange(12, 16), axis=0)),
+  ]
   expected = full_batch_run(optax.adam(0.05), params, mse_loss, [kept])
   chex.assert_trees_all_close(p, expected[0], rtol=RTOL, atol=0)
 
@@ -617,14 +658,17 @@ def test_comm_dtype_bf16_on_the_wire():
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("every_k, error", [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError), ("3", TypeError)])
+@pytest.mark.parametrize(
+  "every_k, error", [(0, ValueError), (-1, ValueError), (2.5, TypeError), (True, TypeError), ("3", TypeError)]
+)
 def test_bad_every_k(every_k, error):
   with pytest.raises(error, match="every_k"):
     ja.accumulate(optax.sgd(0.1), every_k)
 
 
-@pytest.mark.parametrize("schedule", [optax.constant_schedule(2), lambda count: 2,
-                                      lambda count: count.astype(jnp.int32) * 0 + 2])
+@pytest.mark.parametrize(
+  "schedule", [optax.constant_schedule(2), lambda count: 2, lambda count: count.astype(jnp.int32) * 0 + 2]
+)
 def test_constant_valued_schedules_under_jit(schedule):
   """A schedule may ignore the (traced) count, or accept only arrays."""
   tx = ja.accumulate(optax.sgd(1.0), schedule)
@@ -725,10 +769,10 @@ def test_traced_weights_zero_adds_nothing_invalid_is_dropped_empty_window_applie
   g = [_grads_like(params, i) for i in range(9)]
   g_nan = _grads_like(params, 99, nan=True)
   windows = [
-      [(g[0], 2.0), (g_nan, 0.0), (g[1], 3.0)],            # the zero-weight NaN adds nothing
-      [(g[2], np.nan), (g[3], 1.5), (g[4], -1.0)],         # NaN and negative weights dropped
-      [(g_nan, 0.0), (g[5], 0.0), (g[6], np.inf)],         # empty: nothing applied, state untouched
-      [(g[7], np.inf), (g[8], 4.0), (g_nan, 0.0)],
+    [(g[0], 2.0), (g_nan, 0.0), (g[1], 3.0)],  # the zero-weight NaN adds nothing
+    [(g[2], np.nan), (g[3], 1.5), (g[4], -1.0)],  # NaN and negative weights dropped
+    [(g_nan, 0.0), (g[5], 0.0), (g[6], np.inf)],  # empty: nothing applied, state untouched
+    [(g[7], np.inf), (g[8], 4.0), (g_nan, 0.0)],
   ]
   inner = optax.adam(0.05)
   tx = ja.accumulate(inner, 3, skip_nonfinite=skip_nonfinite)
@@ -771,7 +815,8 @@ def test_an_empty_window_with_every_k_1_and_under_an_axis_the_total_decides():
   params = {"w": jnp.zeros(2)}
   tx = ja.accumulate(optax.adam(0.1), 1)
   updates, state = jax.jit(lambda g, s, w: tx.update(g, s, weight=w))(
-      {"w": jnp.full(2, jnp.nan)}, tx.init(params), jnp.float64(0.0))
+    {"w": jnp.full(2, jnp.nan)}, tx.init(params), jnp.float64(0.0)
+  )
   chex.assert_trees_all_equal(updates, {"w": jnp.zeros(2)})
   chex.assert_trees_all_equal(state.inner_state, tx.init(params).inner_state)
   assert (int(state.update_count), int(state.num_empty_windows), bool(state.updated)) == (0, 1, False)
@@ -798,11 +843,11 @@ def test_an_empty_window_with_every_k_1_and_under_an_axis_the_total_decides():
 
 
 DTYPE_MIXES = [  # (params dtype, grads dtype, inner)
-    (jnp.float32, jnp.bfloat16, lambda: optax.adam(1e-3)),
-    (jnp.bfloat16, jnp.float32, lambda: optax.adam(1e-3)),
-    (jnp.float32, jnp.float32, lambda: optax.adam(1e-3, mu_dtype=jnp.bfloat16)),
-    (jnp.bfloat16, jnp.bfloat16, lambda: optax.sgd(0.1, momentum=0.9)),
-    (jnp.float64, jnp.float32, lambda: optax.adamw(1e-3, weight_decay=0.1)),
+  (jnp.float32, jnp.bfloat16, lambda: optax.adam(1e-3)),
+  (jnp.bfloat16, jnp.float32, lambda: optax.adam(1e-3)),
+  (jnp.float32, jnp.float32, lambda: optax.adam(1e-3, mu_dtype=jnp.bfloat16)),
+  (jnp.bfloat16, jnp.bfloat16, lambda: optax.sgd(0.1, momentum=0.9)),
+  (jnp.float64, jnp.float32, lambda: optax.adamw(1e-3, weight_decay=0.1)),
 ]
 
 
@@ -842,7 +887,7 @@ def test_inner_state_with_typed_prng_keys(problem, k):
   params, loss_fn, data = problem
   make = lambda: optax.noisy_sgd(0.05, key=jax.random.key(7))
   micro = split_rows(data, [10] * (2 * k))
-  windows = [[(jax.grad(loss_fn)(params, m), 1.0) for m in micro[j * k:(j + 1) * k]] for j in range(2)]
+  windows = [[(jax.grad(loss_fn)(params, m), 1.0) for m in micro[j * k : (j + 1) * k]] for j in range(2)]
   # Gradients fixed in advance (taken at the initial params) keep the reference plain.
   expected, _ = _window_reference(make(), params, windows)
   tx = ja.accumulate(make(), k)
@@ -867,7 +912,7 @@ def test_sharded_parameters_keep_their_sharding_and_equal_the_plain_reference(ax
   inner = optax.adam(0.05)
   k = 3
   grads = [jax.tree.map(lambda x, i=i: jnp.sin(x * (i + 2)), params) for i in range(2 * k)]
-  windows = [[(jax.tree.map(np.asarray, g), 1.0) for g in grads[j * k:(j + 1) * k]] for j in range(2)]
+  windows = [[(jax.tree.map(np.asarray, g), 1.0) for g in grads[j * k : (j + 1) * k]] for j in range(2)]
   expected, _ = _window_reference(inner, host, windows)
   tx = ja.accumulate(inner, k)
 

@@ -14,10 +14,10 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from conftest import mlp_apply, mlp_init, mse_loss, regression_data
 from flax import nnx
 
 import jaxaccum as ja
-from conftest import mlp_apply, mlp_init, mse_loss, regression_data
 
 K = 3
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -25,7 +25,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def batches(n=7, rows=4):
   x, y = regression_data(jax.random.PRNGKey(1), n * rows)
-  return [(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows]) for i in range(n)]
+  return [(x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows]) for i in range(n)]
 
 
 @jax.jit
@@ -73,8 +73,9 @@ def test_resume_params_and_accumulate_state_in_a_fresh_process(tmp_path):
 
 def test_resume_linen_trainstate(tmp_path):
   params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
-  create = lambda p: ja.flax.TrainState.create(apply_fn=mlp_apply, params=p, tx=ja.accumulate(optax.adam(0.05), K),
-                                               batch_stats={"mean": jnp.zeros(3)})
+  create = lambda p: ja.flax.TrainState.create(
+    apply_fn=mlp_apply, params=p, tx=ja.accumulate(optax.adam(0.05), K), batch_stats={"mean": jnp.zeros(3)}
+  )
 
   @jax.jit
   def step(state, batch):
@@ -251,8 +252,11 @@ def test_damaged_checkpoint_is_a_clear_error_naming_file_and_leaf(tmp_path, capf
   _restore_fails(path, tree, capfd, rf"array data file '{big_file}' differs.*leaf '0/big'")
   reset()
   # ... in orbax's b-tree node (small leaves are stored inline in it).
-  node = [r["file"] for r in json.loads((path / ja.checkpoint.MANIFEST).read_text())["ranges"]
-          if "0/params/0/w" in r["leaves"]][0]
+  node = [
+    r["file"]
+    for r in json.loads((path / ja.checkpoint.MANIFEST).read_text())["ranges"]
+    if "0/params/0/w" in r["leaves"]
+  ][0]
   _flip(path / node)
   _restore_fails(path, tree, capfd, rf"array data file '{node}' differs.*'0/params/0/w'")
   reset()
@@ -284,7 +288,7 @@ def test_damaged_checkpoint_is_a_clear_error_naming_file_and_leaf(tmp_path, capf
   manifest["files"][big_file]["sha256"] = hashlib.sha256((path / big_file).read_bytes()).hexdigest()
   for r in manifest["ranges"]:
     if r["file"] == big_file:
-      r["sha256"] = hashlib.sha256((path / big_file).read_bytes()[r["offset"]:r["offset"] + r["length"]]).hexdigest()
+      r["sha256"] = hashlib.sha256((path / big_file).read_bytes()[r["offset"] : r["offset"] + r["length"]]).hexdigest()
   manifest["sha256"] = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
   (path / ja.checkpoint.MANIFEST).write_text(json.dumps(manifest))
   _restore_fails(path, tree, capfd, r"leaf '0/big' was restored with values that differ")

@@ -8,9 +8,28 @@ import sys
 def test_demo_small(tmp_path):
   png = tmp_path / "loss.png"
   proc = subprocess.run(
-      [sys.executable, "-m", "jaxaccum.demo", "--steps", "4", "--batch-size", "64", "--k", "2",
-       "--devices", "4", "--x64", "--no-progress", "--out", str(png)],
-      capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    [
+      sys.executable,
+      "-m",
+      "jaxaccum.demo",
+      "--steps",
+      "4",
+      "--batch-size",
+      "64",
+      "--k",
+      "2",
+      "--devices",
+      "4",
+      "--x64",
+      "--no-progress",
+      "--out",
+      str(png),
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    cwd=tmp_path,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert str(png) in proc.stdout
@@ -30,6 +49,10 @@ def test_demo_small(tmp_path):
 def test_demo_help_and_bad_flags():
   proc = subprocess.run([sys.executable, "-m", "jaxaccum.demo", "--help"], capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0 and "--steps" in proc.stdout and "--k" in proc.stdout
-  proc = subprocess.run([sys.executable, "-m", "jaxaccum.demo", "--batch-size", "10", "--k", "3"],
-                        capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxaccum.demo", "--batch-size", "10", "--k", "3"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.returncode == 2 and "--batch-size=10 must be divisible by --k=3" in proc.stderr

@@ -17,10 +17,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--mode", "all", "--x64", "--steps", "2", "--batch-size", "32", "--k", "2"]  # 8 devices x K=2 x 2 rows
 EXAMPLES = {
-    "linen_cnn": TINY,
-    "nnx_cnn": TINY,
-    "equinox_cnn": TINY,
-    "padded_lm": TINY + ["--seq-len", "16", "--width", "16"],
+  "linen_cnn": TINY,
+  "nnx_cnn": TINY,
+  "equinox_cnn": TINY,
+  "padded_lm": TINY + ["--seq-len", "16", "--width", "16"],
 }
 MODES = ("accumulate", "microbatch", "data-parallel")
 TIMEOUT_S = 420
@@ -30,15 +30,22 @@ _RUNS: dict[str, subprocess.Popen] = {}
 def _start(name: str) -> None:
   env = dict(os.environ, JAX_PLATFORMS="cpu")  # XLA_FLAGS from conftest (the collective timeout) pass on
   _RUNS[name] = subprocess.Popen(
-      [sys.executable, str(ROOT / "examples" / f"{name}.py"), *EXAMPLES[name]],
-      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    [sys.executable, str(ROOT / "examples" / f"{name}.py"), *EXAMPLES[name]],
+    cwd=ROOT,
+    env=env,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
 
 
 def _output(name: str, request) -> str:
   if not _RUNS:
-    selected = [item.callspec.params["example"] for item in request.session.items
-                if getattr(item, "callspec", None) and "example" in item.callspec.params
-                and item.module is request.module]
+    selected = [
+      item.callspec.params["example"]
+      for item in request.session.items
+      if getattr(item, "callspec", None) and "example" in item.callspec.params and item.module is request.module
+    ]
     for other in dict.fromkeys(selected):
       _start(other)
   if name not in _RUNS:
@@ -65,8 +72,11 @@ def test_example_equals_its_full_batch_run_in_every_mode(example, request):
 
 def test_padded_lm_shows_multisteps_mean_of_means_off_and_token_weights_exact(request):
   out = _output("padded_lm", request)
-  lines = re.findall(r"\((loaded order|sorted by length)\): optax.MultiSteps \(mean of means\) (\S+)% off, "
-                     r"ja.accumulate \(token-weighted\) (\S+)", out)
+  lines = re.findall(
+    r"\((loaded order|sorted by length)\): optax.MultiSteps \(mean of means\) (\S+)% off, "
+    r"ja.accumulate \(token-weighted\) (\S+)",
+    out,
+  )
   assert [label for label, _, _ in lines] == ["loaded order", "sorted by length"], out
   for label, multisteps_percent, weighted in lines:
     assert float(multisteps_percent) > 0.01, f"{label}: MultiSteps should be measurably off:\n{out}"

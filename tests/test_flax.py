@@ -38,7 +38,7 @@ def reference_run(opt, params, loss_fn, batches, k=K):
   """One plain optax step per window, on the union of its microbatches."""
   state = opt.init(params)
   for start in range(0, len(batches), k):
-    grads = jax.grad(loss_fn)(params, union(batches[start:start + k]))
+    grads = jax.grad(loss_fn)(params, union(batches[start : start + k]))
     updates, state = opt.update(grads, state, params)
     params = optax.apply_updates(params, updates)
   return params
@@ -141,20 +141,26 @@ def test_linen_batchnorm_and_dropout_under_jit():
 
   def loss_and_stats(params, stats, batch, key):
     x, y = batch
-    out, new = model.apply({"params": params, "batch_stats": stats}, x, train=True,
-                           mutable=["batch_stats"], rngs={"dropout": key})
+    out, new = model.apply(
+      {"params": params, "batch_stats": stats}, x, train=True, mutable=["batch_stats"], rngs={"dropout": key}
+    )
     return jnp.mean(jnp.sum((out - y) ** 2, -1)), new["batch_stats"]
 
-  state = ja.flax.TrainState.create(apply_fn=model.apply, params=variables["params"],
-                                    tx=ja.accumulate(optax.adam(0.05), k), batch_stats=variables["batch_stats"])
+  state = ja.flax.TrainState.create(
+    apply_fn=model.apply,
+    params=variables["params"],
+    tx=ja.accumulate(optax.adam(0.05), k),
+    batch_stats=variables["batch_stats"],
+  )
 
   @jax.jit
   def step(state, batch, key, weight):
     grads, stats = jax.grad(loss_and_stats, has_aux=True)(state.params, state.batch_stats, batch, key)
     return state.apply_gradients(grads=grads, batch_stats=stats, weight=weight)
 
-  expected = reference_with_stats(loss_and_stats, variables["params"], variables["batch_stats"],
-                                  batches, keys, sizes, k, optax.adam(0.05))
+  expected = reference_with_stats(
+    loss_and_stats, variables["params"], variables["batch_stats"], batches, keys, sizes, k, optax.adam(0.05)
+  )
   for w, (ref_params, ref_stats) in enumerate(expected):
     start_stats = state.batch_stats
     for j, i in enumerate(range(w * k, (w + 1) * k)):
@@ -166,7 +172,6 @@ def test_linen_batchnorm_and_dropout_under_jit():
     chex.assert_trees_all_close(state.batch_stats, ref_stats, rtol=RTOL, atol=1e-15)
 
 
-
 def test_linen_batchnorm_average_vs_full_batch_statistics():
   """Equal sizes: running mean exact; running var smaller by (1 - m) * Var_i(mean_i)."""
   bn = nn.BatchNorm(use_running_average=False, momentum=0.8, param_dtype=jnp.float64)
@@ -175,8 +180,9 @@ def test_linen_batchnorm_average_vs_full_batch_statistics():
   v = {**v, "batch_stats": jax.tree.map(lambda s: s.astype(jnp.float64), v["batch_stats"])}
   start = v["batch_stats"]
   full = bn.apply(v, x, mutable=["batch_stats"])[1]["batch_stats"]
-  state = ja.flax.TrainState.create(apply_fn=bn.apply, params=v["params"], tx=ja.accumulate(optax.sgd(0.0), 3),
-                                    batch_stats=start)
+  state = ja.flax.TrainState.create(
+    apply_fn=bn.apply, params=v["params"], tx=ja.accumulate(optax.sgd(0.0), 3), batch_stats=start
+  )
   parts = jnp.split(x, 3)
   for part in parts:
     stats = bn.apply({"params": state.params, "batch_stats": state.batch_stats}, part, mutable=["batch_stats"])[1]
@@ -211,14 +217,16 @@ def test_linen_batch_stats_averaged_over_devices_with_axis_name():
   n, k = 4, 2
   params = {"w": jnp.asarray([1.0, -2.0])}
   tx = ja.accumulate(optax.sgd(0.1), k, axis_name="d")
-  state = ja.flax.TrainState.create(apply_fn=None, params=params, tx=tx, batch_stats={"mean": jnp.zeros(2)},
-                                    axis_name="d")
+  state = ja.flax.TrainState.create(
+    apply_fn=None, params=params, tx=tx, batch_stats={"mean": jnp.zeros(2)}, axis_name="d"
+  )
   # The accumulator (and so the whole state) is per device: give every device its own copy.
   states = jax.tree.map(lambda x: jnp.stack([x] * n), state)
   rng = np.random.default_rng(0)
   grads, stats, weights = rng.normal(size=(k, n, 2)), rng.normal(size=(k, n, 2)), rng.integers(1, 9, size=(k, n)) * 1.0
-  step = jax.pmap(lambda st, g, s, w: st.apply_gradients(grads={"w": g}, batch_stats={"mean": s}, weight=w),
-                  axis_name="d")
+  step = jax.pmap(
+    lambda st, g, s, w: st.apply_gradients(grads={"w": g}, batch_stats={"mean": s}, weight=w), axis_name="d"
+  )
   for i in range(k):
     states = step(states, grads[i], stats[i], weights[i])
   wsum = weights.sum()
@@ -266,8 +274,7 @@ def test_linen_bad_input():
   grads = jax.tree.map(jnp.ones_like, params)
   for bad in (3, "", ("data", 2)):
     with pytest.raises(TypeError, match="axis_name="):
-      ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.sgd(0.1), 2),
-                                axis_name=bad)
+      ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.sgd(0.1), 2), axis_name=bad)
   state = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.sgd(0.1), 2))
   with pytest.raises(ValueError, match="weight"):
     state.apply_gradients(grads=grads, weight=-1.0)
@@ -277,8 +284,9 @@ def test_linen_bad_input():
     state.apply_gradients(grads=grads[:1])
   with pytest.raises(ValueError, match="batch_stats"):
     state.apply_gradients(grads=grads, batch_stats={"mean": jnp.zeros(3)})
-  with_stats = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.sgd(0.1), 2),
-                                         batch_stats={"mean": jnp.zeros(3)})
+  with_stats = ja.flax.TrainState.create(
+    apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.sgd(0.1), 2), batch_stats={"mean": jnp.zeros(3)}
+  )
   with pytest.raises(ValueError, match="batch_stats"):
     with_stats.apply_gradients(grads=grads, batch_stats={"mean": jnp.zeros(4)})
   plain = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=optax.sgd(0.1))
@@ -298,8 +306,7 @@ def _adam_reference(params, mean_grads, lr, b1=0.9, b2=0.999, eps=1e-8):
     g = jax.tree.map(np.asarray, g)
     m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
     v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
-    params = jax.tree.map(
-        lambda p, m, v: p - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps), params, m, v)
+    params = jax.tree.map(lambda p, m, v: p - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps), params, m, v)
     after.append(params)
   return after
 
@@ -308,15 +315,16 @@ def test_linen_zero_invalid_weights_and_empty_window_under_jit():
   """Weight 0 with NaN gradient/statistics adds nothing; NaN or negative weights drop the microbatch
   (its statistics too); a window of total weight 0 changes nothing and does not advance step."""
   params = {"w": jnp.asarray([1.0, -2.0, 0.5])}
-  state = ja.flax.TrainState.create(apply_fn=None, params=params, tx=ja.accumulate(optax.adam(0.1), 3),
-                                    batch_stats={"mean": jnp.zeros(3)})
+  state = ja.flax.TrainState.create(
+    apply_fn=None, params=params, tx=ja.accumulate(optax.adam(0.1), 3), batch_stats={"mean": jnp.zeros(3)}
+  )
   step = jax.jit(lambda st, g, s, w: st.apply_gradients(grads={"w": g}, batch_stats={"mean": s}, weight=w))
   nan = jnp.full(3, jnp.nan)
   g1, g2, s1, s2 = jnp.asarray([1.0, 2.0, 3.0]), jnp.asarray([-1.0, 0.0, 4.0]), jnp.full(3, 2.0), jnp.full(3, 7.0)
   windows = [
-      [(g1, s1, 2.0), (nan, nan, 0.0), (g2, s2, 5.0)],  # padding only: weight 0, NaN everything
-      [(g1, s1, 4.0), (g2, s2, jnp.nan), (nan, s2, -2.0)],  # invalid weights: dropped with their statistics
-      [(nan, nan, 0.0), (g2, s2, jnp.nan), (nan, nan, 0.0)],  # total weight 0: nothing at all
+    [(g1, s1, 2.0), (nan, nan, 0.0), (g2, s2, 5.0)],  # padding only: weight 0, NaN everything
+    [(g1, s1, 4.0), (g2, s2, jnp.nan), (nan, s2, -2.0)],  # invalid weights: dropped with their statistics
+    [(nan, nan, 0.0), (g2, s2, jnp.nan), (nan, nan, 0.0)],  # total weight 0: nothing at all
   ]
   expected = _adam_reference(params, [{"w": (2 * g1 + 5 * g2) / 7}, {"w": g1}], 0.1)
   expected_stats = [(2 * s1 + 5 * s2) / 7, s1]
@@ -329,8 +337,10 @@ def test_linen_zero_invalid_weights_and_empty_window_under_jit():
       np.testing.assert_allclose(state.batch_stats["mean"], expected_stats[w], rtol=RTOL)
       assert int(state.step) == w + 1
     else:
-      chex.assert_trees_all_equal((state.params, state.batch_stats, state.opt_state.inner_state),
-                                  (before.params, before.batch_stats, before.opt_state.inner_state))
+      chex.assert_trees_all_equal(
+        (state.params, state.batch_stats, state.opt_state.inner_state),
+        (before.params, before.batch_stats, before.opt_state.inner_state),
+      )
       assert int(state.step) == 2 and int(state.opt_state.update_count) == 2
   assert int(state.opt_state.num_skipped) == 3 and int(state.opt_state.num_empty_windows) == 1
   assert int(state.microbatches_seen) == 9 and int(state.micro_step) == 0
@@ -370,14 +380,16 @@ def test_linen_state_can_be_donated_whole():
   """No buffer appears twice in the state (step vs opt_state.update_count), so a jitted step that reads
   state.step can take the state donated."""
   params = mlp_init(jax.random.PRNGKey(0), (3, 4, 2))
-  state = ja.flax.TrainState.create(apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.adam(0.1), 2),
-                                    batch_stats={"mean": jnp.zeros(3)})
+  state = ja.flax.TrainState.create(
+    apply_fn=mlp_apply, params=params, tx=ja.accumulate(optax.adam(0.1), 2), batch_stats={"mean": jnp.zeros(3)}
+  )
   batch = regression_data(jax.random.PRNGKey(1), 4)
 
   @functools.partial(jax.jit, donate_argnums=0)
   def step(state, batch):
-    new = state.apply_gradients(grads=jax.grad(mse_loss)(state.params, batch), batch_stats={"mean": batch[0][0]},
-                                weight=2.0)
+    new = state.apply_gradients(
+      grads=jax.grad(mse_loss)(state.params, batch), batch_stats={"mean": batch[0][0]}, weight=2.0
+    )
     return new, state.step * 10  # a schedule reading the donated step, as lm1b's does
 
   def assert_distinct(state):
@@ -404,8 +416,9 @@ def test_linen_trainstate_subclasses_like_flax():
 
   params = {"w": jnp.asarray([1.0, -2.0])}
   step = jax.jit(lambda st, g, s: st.apply_gradients(grads={"w": g}, batch_stats={"mean": s}, weight=1.0))
-  state = WithStats.create(apply_fn=None, params=params, tx=ja.accumulate(optax.sgd(0.1), 2),
-                           batch_stats={"mean": jnp.zeros(2)})
+  state = WithStats.create(
+    apply_fn=None, params=params, tx=ja.accumulate(optax.sgd(0.1), 2), batch_stats={"mean": jnp.zeros(2)}
+  )
   for g, s in [(jnp.asarray([1.0, 3.0]), jnp.full(2, 2.0)), (jnp.asarray([3.0, -1.0]), jnp.full(2, 4.0))]:
     state = step(state, g, s)
   assert isinstance(state, WithStats) and int(state.step) == 1
@@ -413,8 +426,13 @@ def test_linen_trainstate_subclasses_like_flax():
   np.testing.assert_allclose(state.batch_stats["mean"], [3.0, 3.0], rtol=RTOL)
 
   key = jax.random.PRNGKey(3)
-  state = WithRng.create(apply_fn=None, params=params, tx=ja.accumulate(optax.sgd(0.1), 2), dropout_rng=key,
-                         batch_stats={"mean": jnp.zeros(2)})
+  state = WithRng.create(
+    apply_fn=None,
+    params=params,
+    tx=ja.accumulate(optax.sgd(0.1), 2),
+    dropout_rng=key,
+    batch_stats={"mean": jnp.zeros(2)},
+  )
   state = step(state, jnp.ones(2), jnp.ones(2))
   assert isinstance(state, WithRng) and int(state.micro_step) == 1 and int(state.microbatches_seen) == 1
   np.testing.assert_array_equal(state.dropout_rng, key)
@@ -527,8 +545,7 @@ def test_nnx_batchnorm_and_dropout_under_jit():
 
 def test_nnx_skip_nonfinite_drops_the_microbatch_statistics_too():
   model = NNXModel(nnx.Rngs(0), batchnorm=True)
-  optimizer = ja.flax.AccumulatingOptimizer(
-      model, ja.accumulate(optax.sgd(0.1), 2, skip_nonfinite=True), wrt=nnx.Param)
+  optimizer = ja.flax.AccumulatingOptimizer(model, ja.accumulate(optax.sgd(0.1), 2, skip_nonfinite=True), wrt=nnx.Param)
   params0 = nnx.as_pure(nnx.state(model, nnx.Param))
   grads = nnx.grad(nnx_loss)(model, regression_data(jax.random.PRNGKey(1), 6))
   nan_grads = jax.tree.map(lambda g: g * jnp.nan, grads)
@@ -556,7 +573,8 @@ def test_nnx_batch_stats_averaged_over_devices_with_axis_name():
   n, k = 4, 2
   model = NNXModel(nnx.Rngs(0), batchnorm=True)
   optimizer = ja.flax.AccumulatingOptimizer(
-      model, ja.accumulate(optax.sgd(0.1), k, axis_name="d"), wrt=nnx.Param, axis_name="d")
+    model, ja.accumulate(optax.sgd(0.1), k, axis_name="d"), wrt=nnx.Param, axis_name="d"
+  )
   graphdef, state = nnx.split((model, optimizer))
   params0 = nnx.as_pure(nnx.state(model, nnx.Param))
   states = jax.tree.map(lambda x: jnp.stack([x] * n), nnx.as_pure(state))  # per device: the sums differ
@@ -577,8 +595,7 @@ def test_nnx_batch_stats_averaged_over_devices_with_axis_name():
   expected_step = (weights * gs).sum() / weights.sum()
   for d in range(n):
     np.testing.assert_allclose(model_state["bn"]["mean"][d], expected_mean, rtol=RTOL)
-    np.testing.assert_allclose(model_state["l1"]["kernel"][d], params0["l1"]["kernel"] - 0.1 * expected_step,
-                               rtol=RTOL)
+    np.testing.assert_allclose(model_state["l1"]["kernel"][d], params0["l1"]["kernel"] - 0.1 * expected_step, rtol=RTOL)
   assert np.all(np.asarray(states[1]["step"]) == 1)
 
 
@@ -609,7 +626,6 @@ def test_nnx_bad_input():
   chex.assert_trees_all_equal(nnx.as_pure(nnx.state((bn_model, bn_optimizer))), before)
 
 
-
 def test_nnx_zero_invalid_weights_and_empty_window_under_jit():
   """As the linen test: weight 0 (NaN gradient and statistics) adds nothing, invalid weights drop the
   microbatch with its statistics, a window of total weight 0 changes nothing."""
@@ -628,9 +644,9 @@ def test_nnx_zero_invalid_weights_and_empty_window_under_jit():
     optimizer.update(model, g, weight=weight)
 
   windows = [
-      [(m1, ga, 2.0), (nan, gnan, 0.0), (m2, gb, 5.0)],
-      [(m1, ga, 4.0), (m2, gb, jnp.nan), (m2, gnan, -2.0)],
-      [(nan, gnan, 0.0), (m2, ga, jnp.nan), (nan, gnan, 0.0)],
+    [(m1, ga, 2.0), (nan, gnan, 0.0), (m2, gb, 5.0)],
+    [(m1, ga, 4.0), (m2, gb, jnp.nan), (m2, gnan, -2.0)],
+    [(nan, gnan, 0.0), (m2, ga, jnp.nan), (nan, gnan, 0.0)],
   ]
   pa, pb = nnx.as_pure(ga), nnx.as_pure(gb)
   expected = _adam_reference(params0, [jax.tree.map(lambda a, b: (2 * a + 5 * b) / 7, pa, pb), pa], 0.1)

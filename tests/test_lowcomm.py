@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import mlp_init, mse_loss, regression_data
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jaxaccum as ja
 from jaxaccum import _hlo
-from conftest import mlp_init, mse_loss, regression_data
 
 NDEV = 8
 
@@ -36,6 +37,7 @@ def _pmap_step(tx):
     grads = jax.grad(mse_loss)(params, batch)
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
+
   return jax.pmap(step, axis_name="d")
 
 
@@ -162,8 +164,10 @@ def test_diloco_comm_dtype_reaches_the_wire_in_lowered_hlo():
 
 def _random_grads(params, n, seed=2):
   keys = jax.random.split(jax.random.PRNGKey(seed), n)
-  return [jax.tree.map(lambda a, k=k: jax.random.normal(jax.random.fold_in(k, a.size), a.shape, a.dtype), params)
-          for k in keys]
+  return [
+    jax.tree.map(lambda a, k=k: jax.random.normal(jax.random.fold_in(k, a.size), a.shape, a.dtype), params)
+    for k in keys
+  ]
 
 
 def _run(tx, grads_seq, params):
@@ -175,6 +179,7 @@ def _run(tx, grads_seq, params):
     def body(state, g):
       u, state = tx.update(g, state, params)
       return state, u
+
     return lax.scan(body, tx.init(params), stacked)
 
   state, updates = go(stacked)
@@ -261,9 +266,9 @@ def _shard_map_trainer(tx, params, shards):
 def test_converges_on_8_devices_under_shard_map(name):
   params, full, shards = _setup()
   tx = {
-      "local_sgd": ja.local_sgd(optax.sgd(0.1), 4, axis_name="data"),
-      "diloco": ja.diloco(optax.sgd(0.1), optax.sgd(0.7, momentum=0.9, nesterov=True), 4, axis_name="data"),
-      "stale": optax.chain(ja.pmean("data"), ja.stale(optax.sgd(0.1), 2)),
+    "local_sgd": ja.local_sgd(optax.sgd(0.1), 4, axis_name="data"),
+    "diloco": ja.diloco(optax.sgd(0.1), optax.sgd(0.7, momentum=0.9, nesterov=True), 4, axis_name="data"),
+    "stale": optax.chain(ja.pmean("data"), ja.stale(optax.sgd(0.1), 2)),
   }[name]
   step, p, s = _shard_map_trainer(tx, params, shards)
   start = float(mse_loss(params, full))
@@ -280,10 +285,13 @@ def test_converges_on_8_devices_under_shard_map(name):
 # --------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda k: ja.local_sgd(optax.sgd(0.1), k, axis_name="d"),
     lambda k: ja.diloco(optax.sgd(0.1), optax.sgd(0.7), k, axis_name="d"),
-])
+  ],
+)
 def test_bad_sync_every(make):
   for bad in (0, -2):
     with pytest.raises(ValueError, match=f"sync_every={bad}"):
@@ -310,10 +318,13 @@ def test_bad_delay_and_options():
     tx.update(params[:1], tx.init(params))
 
 
-@pytest.mark.parametrize("factory", [
+@pytest.mark.parametrize(
+  "factory",
+  [
     lambda **kw: ja.local_sgd(optax.sgd(0.1), 2, **kw),
     lambda **kw: ja.diloco(optax.sgd(0.1), optax.sgd(0.7), 2, **kw),
-])
+  ],
+)
 def test_missing_or_unbound_axis_name_and_missing_params(factory):
   with pytest.raises(TypeError, match="axis_name"):
     factory()
@@ -344,12 +355,15 @@ def test_gradients_already_summed_by_shard_map_autodiff_raise():
     f.lower(params, tx.init(params), shards)
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda inner: ja.local_sgd(inner, 2, axis_name="d"),
     lambda inner: ja.diloco(inner, optax.sgd(0.7), 2, axis_name="d"),
     lambda inner: ja.diloco(optax.sgd(0.1), inner, 2, axis_name="d"),
     lambda inner: ja.stale(inner, 2),
-])
+  ],
+)
 def test_an_optimizer_factory_or_none_is_refused_at_construction(make):
   with pytest.raises(TypeError, match=r"(inner|outer)=optax.adam .*call it: (inner|outer)=optax.adam\(1e-3\)"):
     make(optax.adam)
@@ -368,10 +382,13 @@ def test_stale_takes_python_scalar_leaves():
   assert got == [0.0, 0.0, -0.5, -1.5]
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda axis: ja.local_sgd(optax.sgd(0.1), 2, axis_name=axis),
     lambda axis: ja.diloco(optax.sgd(0.1), optax.sgd(0.7, momentum=0.9), 2, axis_name=axis),
-])
+  ],
+)
 def test_model_sharded_parameters_under_explicit_mesh_axes(make):
   """Zeros carry their leaf's sharding, so the cond's branches agree under Explicit mesh axes.
 
@@ -390,6 +407,7 @@ def test_model_sharded_parameters_under_explicit_mesh_axes(make):
     def step(params, state, batch):
       updates, state = tx.update(jax.grad(loss)(params, batch), state, params)
       return optax.apply_updates(params, updates), state
+
     return step
 
   tx = make("x")

@@ -7,13 +7,12 @@ import subprocess
 import sys
 import time
 
+import _multihost_worker as worker
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-import _multihost_worker as worker
 
 WORKER = os.path.join(os.path.dirname(__file__), "_multihost_worker.py")
 TIMEOUT_S = 120
@@ -33,8 +32,15 @@ def test_two_processes_equal_one(tmp_path):
   procs = []
   try:
     for i in range(worker.NUM_PROCESSES):
-      procs.append(subprocess.Popen([sys.executable, WORKER, str(port), str(i), str(out)], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+      procs.append(
+        subprocess.Popen(
+          [sys.executable, WORKER, str(port), str(i), str(out)],
+          env=env,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+        )
+      )
     logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
     for i, p in enumerate(procs):
       assert p.returncode == 0, f"process {i} failed:\n{logs[i][-3000:]}"
@@ -66,9 +72,16 @@ RECOVERY_WORKER = os.path.join(os.path.dirname(__file__), "_multihost_recovery_w
 
 def _launch(outdir, mode, env):
   port = free_port()
-  return [subprocess.Popen([sys.executable, RECOVERY_WORKER, str(port), str(i), str(outdir), mode], env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-          for i in range(worker.NUM_PROCESSES)]
+  return [
+    subprocess.Popen(
+      [sys.executable, RECOVERY_WORKER, str(port), str(i), str(outdir), mode],
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(worker.NUM_PROCESSES)
+  ]
 
 
 def _wait_all(runs, timeout_s):
@@ -87,8 +100,10 @@ def _wait_all(runs, timeout_s):
         if p.poll() is None:
           p.kill()
         p.wait(timeout=10)
-  return {name: [(p.returncode, ended.get((name, i)), p.stdout.read()) for i, p in enumerate(procs)]
-          for name, procs in runs.items()}
+  return {
+    name: [(p.returncode, ended.get((name, i)), p.stdout.read()) for i, p in enumerate(procs)]
+    for name, procs in runs.items()
+  }
 
 
 def test_a_failed_worker_ends_both_and_the_last_checkpoint_resumes_exactly(tmp_path):

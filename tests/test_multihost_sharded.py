@@ -65,8 +65,15 @@ def results(tmp_path_factory):
   procs = []
   try:
     for i in range(worker.NUM_PROCESSES):
-      procs.append(subprocess.Popen([sys.executable, WORKER, str(port), str(i), str(out)], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+      procs.append(
+        subprocess.Popen(
+          [sys.executable, WORKER, str(port), str(i), str(out)],
+          env=env,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+        )
+      )
     logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
     for i, p in enumerate(procs):
       assert p.returncode == 0, f"process {i} failed:\n{logs[i][-3000:]}"
@@ -75,8 +82,9 @@ def results(tmp_path_factory):
       if p.poll() is None:
         p.kill()
         p.wait(timeout=10)
-  return {(name, i): dict(np.load(out / f"{name}.{i}.npz"))
-          for name, _, _ in worker.RUNS for i in range(worker.NUM_PROCESSES)}
+  return {
+    (name, i): dict(np.load(out / f"{name}.{i}.npz")) for name, _, _ in worker.RUNS for i in range(worker.NUM_PROCESSES)
+  }
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in worker.RUNS])
@@ -85,11 +93,19 @@ def test_two_processes_equal_one(results, name):
   for i in range(worker.NUM_PROCESSES):
     got = results[name, i]
     assert got["p0"].dtype == np.float64
-    chex.assert_trees_all_close([got[f"p{j}"] for j in range(len(jax.tree.leaves(want_params)))],
-                                jax.tree.leaves(want_params), rtol=1e-12, atol=1e-15)
+    chex.assert_trees_all_close(
+      [got[f"p{j}"] for j in range(len(jax.tree.leaves(want_params)))],
+      jax.tree.leaves(want_params),
+      rtol=1e-12,
+      atol=1e-15,
+    )
     # The optimizer state too (lamb's moments; the clip and lamb counters), gathered from its shards.
-    chex.assert_trees_all_close([got[f"s{j}"] for j in range(len(jax.tree.leaves(want_state)))],
-                                jax.tree.leaves(want_state), rtol=1e-12, atol=1e-15)
+    chex.assert_trees_all_close(
+      [got[f"s{j}"] for j in range(len(jax.tree.leaves(want_state)))],
+      jax.tree.leaves(want_state),
+      rtol=1e-12,
+      atol=1e-15,
+    )
     np.testing.assert_allclose(got["losses"], want_losses, rtol=1e-12)
     np.testing.assert_array_equal(got["weights"], np.full(worker.STEPS, want_weight))
 
@@ -140,12 +156,15 @@ def test_invalid_or_zero_weights_skip_the_step(strategy):
   rows = 32
   data = {"x": batch["x"][:rows], "y": batch["y"][:rows]}
   p, s = sharded.shard_train_state(params, opt, mesh, strategy=strategy)
-  step = sharded.make_sharded_train_step(_masked_loss, opt, strategy=strategy, mesh=mesh, num_microbatches=2,
-                                         weight_fn=lambda b: b["w"].sum(), donate=False)
+  step = sharded.make_sharded_train_step(
+    _masked_loss, opt, strategy=strategy, mesh=mesh, num_microbatches=2, weight_fn=lambda b: b["w"].sum(), donate=False
+  )
   compiled = None
-  for weights, want_total in ((np.where(np.arange(rows) == 5, -5.0, 1.0), np.nan),
-                              (np.where(np.arange(rows) == 9, np.nan, 1.0), np.nan),
-                              (np.zeros(rows), 0.0)):
+  for weights, want_total in (
+    (np.where(np.arange(rows) == 5, -5.0, 1.0), np.nan),
+    (np.where(np.arange(rows) == 9, np.nan, 1.0), np.nan),
+    (np.zeros(rows), 0.0),
+  ):
     placed = jax.device_put(dict(data, w=weights), NamedSharding(mesh, P("data")))
     compiled = compiled or step.lower(p, s, placed).compile()
     p2, s2, metrics = compiled(p, s, placed, None)
@@ -180,7 +199,9 @@ def test_ddp_sends_comm_dtype():
   found = _hlo.collectives(compiled.as_text(), num_devices=8)
   # The gradient in float32; the weight and loss sums in float64, in an all-reduce of their own.
   assert sorted((c.opcode, c.where, c.operand_bytes) for c in found) == [
-      ("all-reduce", "top", 2 * 8), ("all-reduce", "top", 4 * n)]
+    ("all-reduce", "top", 2 * 8),
+    ("all-reduce", "top", 4 * n),
+  ]
   got, _, _ = compiled(p, s, placed, None)
   grads = jax.grad(_masked_loss)(params, data)
   want = jax.tree.map(lambda x, g: x - 0.1 * g, params, grads)
@@ -199,8 +220,9 @@ def test_donated_arguments_raise_instead_of_crashing():
 
   mesh, opt = _mesh8(), optax.adam(0.1)
   params, batch = worker.problem()
-  placed = jax.device_put({"x": batch["x"][:32], "y": batch["y"][:32], "w": np.ones(32)},
-                          NamedSharding(mesh, P("data")))
+  placed = jax.device_put(
+    {"x": batch["x"][:32], "y": batch["y"][:32], "w": np.ones(32)}, NamedSharding(mesh, P("data"))
+  )
   p, s = sharded.shard_train_state(params, opt, mesh, strategy="zero1")
   step = sharded.make_sharded_train_step(_masked_loss, opt, strategy="zero1", mesh=mesh)
   new_p, new_s, _ = step(p, s, placed)

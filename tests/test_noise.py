@@ -57,6 +57,7 @@ def run_windows(grads, sizes, decay):
       mean = jnp.sum(b[:, None] * g, axis=0) / jnp.sum(b)
       est = noise.window_estimates(weighted_sq, jnp.sum(b), jnp.sum(mean * mean), jnp.asarray(len(sizes)))
       return noise.update_state(state, *est, decay), est[:2]
+
     return jax.lax.scan(body, noise.init_state(jnp.float64), grads)
 
   return run(grads)
@@ -65,7 +66,7 @@ def run_windows(grads, sizes, decay):
 @pytest.mark.parametrize("sizes", [[16] * 8, [3, 5, 8, 16, 32, 4, 40, 20]], ids=["equal", "unequal"])
 def test_synthetic_estimates_converge(sizes):
   g_true = jnp.full((D,), 1.0 / np.sqrt(D)).at[0].add(0.5)  # |G|^2 = 1 + 1/sqrt(D) + 1/4 -ish
-  grad_sq_true = float(jnp.sum(g_true ** 2))
+  grad_sq_true = float(jnp.sum(g_true**2))
   grads = synthetic_microbatch_grads(jax.random.PRNGKey(0), 400, sizes, g_true)
   state, per_window = run_windows(grads, sizes, decay=0.99)
   # Each window's estimates are the formulas' values.
@@ -91,16 +92,14 @@ def test_window_estimates_on_fixed_inputs():
   s1 = float(np.sum(b * np.sum(g * g, axis=1)) / big_b)
   mean = (b[:, None] * g).sum(0) / big_b
   s2 = float(mean @ mean)
-  g2, tr, valid = noise.window_estimates(
-      jnp.asarray(s1 * big_b), jnp.asarray(big_b), jnp.asarray(s2), jnp.asarray(3))
+  g2, tr, valid = noise.window_estimates(jnp.asarray(s1 * big_b), jnp.asarray(big_b), jnp.asarray(s2), jnp.asarray(3))
   assert bool(valid)
   np.testing.assert_allclose(float(g2), (3 * s2 - s1) / 2, rtol=RTOL)
   np.testing.assert_allclose(float(tr), big_b * (s1 - s2) / 2, rtol=RTOL)
 
 
 def test_window_with_one_microbatch_leaves_the_average_unchanged():
-  state = noise.update_state(noise.init_state(jnp.float64), jnp.asarray(2.0), jnp.asarray(6.0),
-                             jnp.asarray(True), 0.9)
+  state = noise.update_state(noise.init_state(jnp.float64), jnp.asarray(2.0), jnp.asarray(6.0), jnp.asarray(True), 0.9)
   est = noise.window_estimates(jnp.asarray(5.0), jnp.asarray(4.0), jnp.asarray(1.0), jnp.asarray(1))
   assert not bool(est[2])
   after = noise.update_state(state, *est, 0.9)
@@ -117,7 +116,7 @@ def test_bias_correction_reads_the_plain_weighted_average():
   state = noise.init_state(jnp.float64)
   for g2, tr in xs:
     state = noise.update_state(state, jnp.asarray(g2), jnp.asarray(tr), jnp.asarray(True), decay)
-  weights = np.array([decay ** 2, decay, 1.0]) * (1 - decay)
+  weights = np.array([decay**2, decay, 1.0]) * (1 - decay)
   g2_ref = np.dot(weights, [x[0] for x in xs]) / weights.sum()
   tr_ref = np.dot(weights, [x[1] for x in xs]) / weights.sum()
   measured = noise.noise_scale(state)
@@ -176,9 +175,15 @@ def plain_gain(grad_sq, trace_cov, batch_weight, s):
   return (sigma2 + grad_sq) / (sigma2 / s + grad_sq)
 
 
-@pytest.mark.parametrize("grad_sq,trace_cov,batch_weight,s", [
-    (1.0, 32.0, 128.0, 8.0), (0.25, 3.0, 7.0, 2.5), (3.0, 1e-3, 64.0, 16.0), (1e-4, 50.0, 10.0, 4.0),
-])
+@pytest.mark.parametrize(
+  "grad_sq,trace_cov,batch_weight,s",
+  [
+    (1.0, 32.0, 128.0, 8.0),
+    (0.25, 3.0, 7.0, 2.5),
+    (3.0, 1e-3, 64.0, 16.0),
+    (1e-4, 50.0, 10.0, 4.0),
+  ],
+)
 def test_adascale_gain_against_the_formula(grad_sq, trace_cov, batch_weight, s):
   r = noise.adascale_gain(jnp.asarray(grad_sq), jnp.asarray(trace_cov), batch_weight, s)
   np.testing.assert_allclose(float(r), plain_gain(grad_sq, trace_cov, batch_weight, s), rtol=RTOL)
@@ -195,12 +200,16 @@ def test_adascale_gain_edge_cases():
 
 def _stats(key, steps):
   k1, k2, k3 = jax.random.split(key, 3)
-  return (jnp.abs(jax.random.normal(k1, (steps,))) + 0.1, jnp.abs(jax.random.normal(k2, (steps,))) * 30,
-          jax.random.normal(k3, (steps, 5)))
+  return (
+    jnp.abs(jax.random.normal(k1, (steps,))) + 0.1,
+    jnp.abs(jax.random.normal(k2, (steps,))) * 30,
+    jax.random.normal(k3, (steps, 5)),
+  )
 
 
-@pytest.mark.parametrize("make", [lambda: optax.sgd(0.1, momentum=0.9), lambda: optax.adam(0.05)],
-                         ids=["momentum", "adam"])
+@pytest.mark.parametrize(
+  "make", [lambda: optax.sgd(0.1, momentum=0.9), lambda: optax.adam(0.05)], ids=["momentum", "adam"]
+)
 def test_adascale_scale_one_is_inner_bit_for_bit(make):
   params = {"w": jnp.linspace(-1.0, 1.0, 5)}
   g2s, trs, grads = _stats(jax.random.PRNGKey(3), 6)
@@ -251,8 +260,9 @@ def test_adascale_under_jit_and_before_any_measurement():
   params = {"w": jnp.ones(3)}
   ada = noise.adascale(optax.sgd(1.0), scale=8)
   nan = jnp.asarray(jnp.nan)
-  u, state = jax.jit(ada.update)({"w": jnp.ones(3)}, ada.init(params), params,
-                                 noise_scale=noise.NoiseScale(nan, nan, nan), batch_weight=8.0)
+  u, state = jax.jit(ada.update)(
+    {"w": jnp.ones(3)}, ada.init(params), params, noise_scale=noise.NoiseScale(nan, nan, nan), batch_weight=8.0
+  )
   chex.assert_trees_all_equal(u, {"w": -jnp.ones(3)})
   assert float(state.gain) == 1.0
 
@@ -326,7 +336,7 @@ def plain_ema(values, decay):
   """Bias-corrected EMA written out: sum_t decay^(n-1-t) (1-decay) x_t / (1 - decay^n)."""
   n = len(values)
   w = np.array([decay ** (n - 1 - t) * (1 - decay) for t in range(n)])
-  return float(np.dot(w, values) / (1 - decay ** n))
+  return float(np.dot(w, values) / (1 - decay**n))
 
 
 def run_accumulate(tx, grads, sizes):
@@ -340,6 +350,7 @@ def run_accumulate(tx, grads, sizes):
       g, w = g_and_w
       _, state = tx.update({"theta": g}, state, params, weight=w)
       return state, None
+
     flat = grads.reshape(-1, D)
     weights = jnp.tile(b, grads.shape[0])
     return jax.lax.scan(body, tx.init(params), (flat, weights))[0]
@@ -350,7 +361,7 @@ def run_accumulate(tx, grads, sizes):
 @pytest.mark.parametrize("sizes", [[16] * 8, [3, 5, 8, 16, 32, 4, 40, 20]], ids=["equal", "unequal"])
 def test_accumulate_measures_the_synthetic_noise_scale(sizes):
   g_true = jnp.full((D,), 1.0 / np.sqrt(D)).at[0].add(0.5)
-  grad_sq_true = float(jnp.sum(g_true ** 2))
+  grad_sq_true = float(jnp.sum(g_true**2))
   grads = synthetic_microbatch_grads(jax.random.PRNGKey(1), 300, sizes, g_true)
   tx = ja.accumulate(optax.set_to_zero(), len(sizes), noise_scale_ema=0.98)
   state = run_accumulate(tx, grads, sizes)
@@ -386,15 +397,18 @@ def _accumulate_trajectory(tx, params, steps, use_apply):
 def test_accumulate_updates_are_unchanged_bit_for_bit(every_k, skip, use_apply):
   params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.zeros(3)}
   keys = jax.random.split(jax.random.PRNGKey(7), 9)
-  steps = [(jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape), params), jnp.float64(1 + i % 4))
-           for i, k in enumerate(keys)]
+  steps = [
+    (jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape), params), jnp.float64(1 + i % 4))
+    for i, k in enumerate(keys)
+  ]
   steps[4] = (steps[4][0], jnp.float64(0.0))  # weight 0: adds nothing, does not count in K
   if skip:
     steps[5] = ({"w": steps[5][0]["w"].at[0, 0].set(jnp.nan), "b": steps[5][0]["b"]}, steps[5][1])
   kwargs = dict(skip_nonfinite=skip)
   plain, s_plain = _accumulate_trajectory(ja.accumulate(optax.adam(0.05), every_k, **kwargs), params, steps, use_apply)
   tracked, s_tracked = _accumulate_trajectory(
-      ja.accumulate(optax.adam(0.05), every_k, noise_scale_ema=0.9, **kwargs), params, steps, use_apply)
+    ja.accumulate(optax.adam(0.05), every_k, noise_scale_ema=0.9, **kwargs), params, steps, use_apply
+  )
   chex.assert_trees_all_equal(tracked, plain)
   assert s_plain.noise_stats is None
   chex.assert_trees_all_equal(s_tracked._replace(noise_stats=None), s_plain)
@@ -432,9 +446,12 @@ def test_accumulate_noise_on_8_devices_counts_every_microbatch_of_every_device()
 
   def per_device(state, f):
     stats = state.noise_stats
-    return state._replace(acc_grads=jax.tree.map(f, state.acc_grads), acc_weight=f(state.acc_weight),
-                          num_skipped=f(state.num_skipped),
-                          noise_stats=stats._replace(acc_sq=f(stats.acc_sq), acc_count=f(stats.acc_count)))
+    return state._replace(
+      acc_grads=jax.tree.map(f, state.acc_grads),
+      acc_weight=f(state.acc_weight),
+      num_skipped=f(state.num_skipped),
+      noise_stats=stats._replace(acc_sq=f(stats.acc_sq), acc_count=f(stats.acc_count)),
+    )
 
   state = per_device(tx.init(params), lambda a: jnp.stack([a] * n_dev))
   spec = per_device(jax.tree.map(lambda _: P(), state), lambda _: P("data"))
@@ -520,8 +537,8 @@ def test_adascale_inside_accumulate():
   steps = [({"w": jax.random.normal(k, (4,)) + 1.0}, jnp.float64(1 + i % 3)) for i, k in enumerate(keys)]
   plain, _ = _accumulate_trajectory(ja.accumulate(optax.sgd(0.1, momentum=0.9), 4), params, steps, False)
   ada1, _ = _accumulate_trajectory(
-      ja.accumulate(noise.adascale(optax.sgd(0.1, momentum=0.9), scale=1), 4, noise_scale_ema=0.5),
-      params, steps, False)
+    ja.accumulate(noise.adascale(optax.sgd(0.1, momentum=0.9), scale=1), 4, noise_scale_ema=0.5), params, steps, False
+  )
   chex.assert_trees_all_equal(ada1, plain)
   # scale=4: each window's update is r times sgd's, r from the averages including that window.
   tx = ja.accumulate(noise.adascale(optax.sgd(0.1), scale=4), 4, noise_scale_ema=0.5)
@@ -530,9 +547,9 @@ def test_adascale_inside_accumulate():
     updates, state = tx.update(g, state, p, weight=w)
     if i % 4 == 3:
       measured = noise.noise_scale(state)
-      window_weight = sum(float(s[1]) for s in steps[i - 3:i + 1])
+      window_weight = sum(float(s[1]) for s in steps[i - 3 : i + 1])
       r = plain_gain(float(measured.grad_sq), float(measured.trace_cov), window_weight, 4.0)
-      window = steps[i - 3:i + 1]
+      window = steps[i - 3 : i + 1]
       mean = sum(float(s[1]) * np.asarray(s[0]["w"]) for s in window) / window_weight
       np.testing.assert_allclose(updates["w"], -0.1 * r * mean, rtol=RTOL)
       np.testing.assert_allclose(float(state.inner_state.gain), r, rtol=RTOL)
@@ -585,8 +602,9 @@ def test_make_train_step_noise_scale_metrics_on_8_devices():
   def loss_fn(params, x):
     return 0.5 * jnp.mean(jnp.sum((params["theta"] - x) ** 2, axis=-1))
 
-  step = ja.make_train_step(loss_fn, optax.sgd(0.1), num_microbatches=k, mesh=ja.data_mesh("data"),
-                            noise_scale=True, donate=False)
+  step = ja.make_train_step(
+    loss_fn, optax.sgd(0.1), num_microbatches=k, mesh=ja.data_mesh("data"), noise_scale=True, donate=False
+  )
   x = mu + jax.random.normal(jax.random.PRNGKey(3), (n_dev * k * rows, D))
   params = {"theta": jnp.zeros(D)}
   _, _, metrics = step(params, optax.sgd(0.1).init(params), ja.shard_batch(x, ja.data_mesh("data")))
@@ -617,8 +635,9 @@ def test_make_train_step_noise_scale_adds_no_collective():
   x = ja.shard_batch(jnp.ones((32, D)), ja.data_mesh("data"))
   counts = []
   for flag in (False, True):
-    step = ja.make_train_step(loss_fn, optax.sgd(0.1), num_microbatches=2, mesh=ja.data_mesh("data"),
-                              noise_scale=flag, donate=False)
+    step = ja.make_train_step(
+      loss_fn, optax.sgd(0.1), num_microbatches=2, mesh=ja.data_mesh("data"), noise_scale=flag, donate=False
+    )
     counts.append(_all_reduces(step.lower(params, optax.sgd(0.1).init(params), x).compile().as_text()))
   assert counts[1][0] == counts[0][0], counts
   assert counts[1][1] == counts[0][1] + 2, counts

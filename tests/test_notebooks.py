@@ -11,8 +11,15 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.
 
 def test_there_are_notebooks():
   names = {p.stem for p in NOTEBOOKS}
-  assert {"01_quickstart", "02_data_parallel", "03_batch_size_schedules", "04_from_keras_and_caffe",
-          "05_sync_vs_async", "06_sharded_training", "07_how_big_a_batch"} <= names, names
+  assert {
+    "01_quickstart",
+    "02_data_parallel",
+    "03_batch_size_schedules",
+    "04_from_keras_and_caffe",
+    "05_sync_vs_async",
+    "06_sharded_training",
+    "07_how_big_a_batch",
+  } <= names, names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

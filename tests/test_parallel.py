@@ -7,7 +7,8 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxaccum as ja
 from jaxaccum import _hlo
@@ -73,8 +74,14 @@ def test_shard_map_pitfall_is_caught():
   params = {"w": jnp.ones((3,))}
   mesh = ja.data_mesh("data")
   pm = ja.pmean("data")
-  g = jax.jit(jax.shard_map(lambda p, x: pm.update(jax.grad(lambda q: jnp.mean((x @ q["w"]) ** 2))(p), pm.init(p))[0],
-                            mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+  g = jax.jit(
+    jax.shard_map(
+      lambda p, x: pm.update(jax.grad(lambda q: jnp.mean((x @ q["w"]) ** 2))(p), pm.init(p))[0],
+      mesh=mesh,
+      in_specs=(P(), P("data")),
+      out_specs=P(),
+    )
+  )
   with pytest.raises(ValueError, match=r"updates\['w'\] is invariant over axis_name='data'.*pcast"):
     g(params, jnp.ones((16, 3)))
 
@@ -154,7 +161,8 @@ def test_cond_leaves_typed_prng_keys_alone_and_promotes_numbers():
     return jax.random.split(k)[0], x.astype(jnp.float32) * 2
 
   out_key, out_x = jax.jit(lambda p, ops: ja.parallel.cond(p, advance, lambda ops: ops, ops))(
-      True, (key, jnp.ones(2, jnp.bfloat16)))
+    True, (key, jnp.ones(2, jnp.bfloat16))
+  )
   assert jax.dtypes.issubdtype(out_key.dtype, jax.dtypes.prng_key) and out_x.dtype == jnp.float32
   np.testing.assert_array_equal(jax.random.key_data(out_key), jax.random.key_data(jax.random.split(key)[0]))
 

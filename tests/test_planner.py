@@ -3,9 +3,9 @@
 import jax
 import optax
 import pytest
+from conftest import mlp_init, mse_loss, regression_data
 
 import jaxaccum as ja
-from conftest import mlp_init, mse_loss, regression_data
 
 
 def setup():
@@ -54,8 +54,11 @@ def test_default_candidates_divide_each_devices_rows_on_a_mesh():
   mesh = ja.data_mesh()
   params = mlp_init(jax.random.PRNGKey(0), (3, 4, 2))
   opt = optax.sgd(0.1)
-  args = (ja.replicate(params, mesh), ja.replicate(opt.init(params), mesh),
-          ja.shard_batch(regression_data(jax.random.PRNGKey(1), 64), mesh))
+  args = (
+    ja.replicate(params, mesh),
+    ja.replicate(opt.init(params), mesh),
+    ja.shard_batch(regression_data(jax.random.PRNGKey(1), 64), mesh),
+  )
   factory = lambda k: ja.make_train_step(mse_loss, opt, num_microbatches=k, mesh=mesh)
   with pytest.raises(ValueError, match=r"no num_microbatches in \[1, 2, 4, 8\] fits"):
     ja.plan_microbatches(factory, *args, memory_budget_bytes=1)
@@ -91,8 +94,9 @@ def test_step_options_choose_fsdp_comm_lean_when_it_fits():
   options = [{"fsdp_gather": "once"}, {"fsdp_gather": "per_microbatch"}]
   plan = ja.plan_microbatches(factory, p, s, batch, memory_budget_bytes=once, candidates=[4], step_options=options)
   assert (int(plan), plan.step_options, plan.memory_bytes) == (4, {"fsdp_gather": "once"}, once)
-  plan = ja.plan_microbatches(factory, p, s, batch, memory_budget_bytes=(once + lean) // 2, candidates=[4],
-                              step_options=options)
+  plan = ja.plan_microbatches(
+    factory, p, s, batch, memory_budget_bytes=(once + lean) // 2, candidates=[4], step_options=options
+  )
   assert (int(plan), plan.step_options, plan.memory_bytes) == (4, {"fsdp_gather": "per_microbatch"}, lean)
   assert plan.totals == {(4, 0): once, (4, 1): lean}
   with pytest.raises(TypeError, match="step_options="):

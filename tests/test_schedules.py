@@ -13,7 +13,7 @@ from jaxaccum import schedules
 
 def _expected(boundaries, values, u):
   """Reference: the value of the last boundary <= u."""
-  return [v for b, v in zip(boundaries, values) if b <= u][-1]
+  return [v for b, v in zip(boundaries, values, strict=False) if b <= u][-1]
 
 
 def _check_everywhere(f, boundaries, values, horizon):
@@ -97,11 +97,14 @@ def test_from_lr_decay_rounding_and_edge_cases():
   assert int(schedules.microbatches_consumed(schedules.from_lr_decay(1, {100: 0.5}), jnp.uint32(5))) == 5
 
 
-@pytest.mark.parametrize("base_k, boundaries_and_scales, momentum", [
-    (1, {100: 0.5, 200: 0.5}, 0.0),        # the worked example: exact
-    (2, {30: 0.2, 101: 0.5}, 0.9),         # boundary inside an update: exact at update starts
-    (1, {10: 0.3, 25: 0.3, 77: 0.7}, 0.0), # non-integer inverses: within rounding of k
-])
+@pytest.mark.parametrize(
+  "base_k, boundaries_and_scales, momentum",
+  [
+    (1, {100: 0.5, 200: 0.5}, 0.0),  # the worked example: exact
+    (2, {30: 0.2, 101: 0.5}, 0.9),  # boundary inside an update: exact at update starts
+    (1, {10: 0.3, 25: 0.3, 77: 0.7}, 0.0),  # non-integer inverses: within rounding of k
+  ],
+)
 def test_noise_scale_matches_decaying_lr_along_the_run(base_k, boundaries_and_scales, momentum):
   base_lr, dataset_size, micro = 0.1, 50_000, 8
   lr_schedule = optax.piecewise_constant_schedule(base_lr, boundaries_and_scales)
@@ -163,7 +166,9 @@ def test_noise_scale_values():
   assert math.isclose(float(traced), 0.1 * 1000 / 32 / 0.5, rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("call, error, name", [
+@pytest.mark.parametrize(
+  "call, error, name",
+  [
     (lambda: schedules.constant(0), ValueError, "k=0"),
     (lambda: schedules.constant(-2), ValueError, "k=-2"),
     (lambda: schedules.constant(1.5), TypeError, "k=1.5"),
@@ -185,7 +190,11 @@ def test_noise_scale_values():
     (lambda: schedules.from_lr_decay(True, {}), TypeError, "base_k=True"),
     (lambda: schedules.from_lr_decay(1, {-10: 0.5}), ValueError, "boundaries_and_scales boundary -10"),
     (lambda: schedules.from_lr_decay(1, {10.0: 0.5}), TypeError, "boundaries_and_scales boundary 10.0"),
-    (lambda: schedules.from_lr_decay(1, [(20, 0.5), (10, 0.5)]), ValueError, "boundaries_and_scales boundaries must be strictly"),
+    (
+      lambda: schedules.from_lr_decay(1, [(20, 0.5), (10, 0.5)]),
+      ValueError,
+      "boundaries_and_scales boundaries must be strictly",
+    ),
     (lambda: schedules.from_lr_decay(1, {10: 0.0}), ValueError, r"boundaries_and_scales\[10\]=0.0 must be in \(0, 1\]"),
     (lambda: schedules.from_lr_decay(1, {10: 1.5}), ValueError, r"boundaries_and_scales\[10\]=1.5"),
     (lambda: schedules.from_lr_decay(1, {10: -0.5}), ValueError, r"boundaries_and_scales\[10\]=-0.5"),
@@ -208,7 +217,8 @@ def test_noise_scale_values():
     (lambda: schedules.microbatches_consumed(3, 5), TypeError, "schedule=3"),
     (lambda: schedules.microbatches_consumed(schedules.constant(2), -1), ValueError, "update_count=-1"),
     (lambda: schedules.microbatches_consumed(lambda u: 2, jnp.int32(3)), TypeError, "update_count"),
-])
+  ],
+)
 def test_bad_input(call, error, name):
   with pytest.raises(error, match=name):
     call()

@@ -17,11 +17,11 @@ STEPS = 3
 ROWS = 128  # divisible by 8 devices times K for every K used here
 
 OPTIMIZERS = {
-    "adam": lambda: optax.adam(1e-2),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
-    "lamb": lambda: optax.lamb(1e-2),
-    "momentum": lambda: optax.sgd(1e-1, momentum=0.9),
-    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
+  "adam": lambda: optax.adam(1e-2),
+  "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+  "lamb": lambda: optax.lamb(1e-2),
+  "momentum": lambda: optax.sgd(1e-1, momentum=0.9),
+  "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
 }
 
 
@@ -54,7 +54,8 @@ def run(strategy, opt, k, mesh, axes, params=None, **options):
   batch = regression_data(jax.random.PRNGKey(1), ROWS)
   p, s = sharded.shard_train_state(params, opt, mesh, strategy=strategy, data_axis=axes)
   step = sharded.make_sharded_train_step(
-      mse_loss, opt, strategy=strategy, mesh=mesh, data_axis=axes, num_microbatches=k, **options)
+    mse_loss, opt, strategy=strategy, mesh=mesh, data_axis=axes, num_microbatches=k, **options
+  )
   placed = jax.device_put(batch, NamedSharding(mesh, P(axes)))
   compiled = step.lower(p, s, placed).compile()
   losses = []
@@ -127,8 +128,9 @@ def test_zero1_k1_sends_comm_dtype():
 # --------------------------------------------------------------------------- fsdp
 
 
-@pytest.mark.parametrize("k, gather, name", [(1, "per_microbatch", "adam"), (4, "per_microbatch", "lamb"),
-                                             (4, "once", "clip_adam")])
+@pytest.mark.parametrize(
+  "k, gather, name", [(1, "per_microbatch", "adam"), (4, "per_microbatch", "lamb"), (4, "once", "clip_adam")]
+)
 def test_fsdp_equals_full_batch_and_gathers_as_asked(k, gather, name):
   opt = OPTIMIZERS[name]()
   p, s, losses, hlo = run("fsdp", opt, k, data_mesh(), "data", fsdp_gather=gather)
@@ -201,8 +203,10 @@ def test_data_model_mesh_keeps_model_sharding(strategy, kind):
 # --------------------------------------------------------------------------- layouts and memory
 
 
-@pytest.mark.parametrize("strategy, axes, shard", [
-    ("zero1", "data", 8), ("fsdp", "data", 8), ("hsdp", ("rep", "shard"), 4), ("ddp", "data", 1)])
+@pytest.mark.parametrize(
+  "strategy, axes, shard",
+  [("zero1", "data", 8), ("fsdp", "data", 8), ("hsdp", ("rep", "shard"), 4), ("ddp", "data", 1)],
+)
 def test_shard_train_state_per_device_bytes(strategy, axes, shard):
   mesh = hsdp_mesh() if strategy == "hsdp" else data_mesh()
   params = mlp_init(jax.random.PRNGKey(0), (3, 32, 16, 8))  # every leaf divisible by 8
@@ -220,7 +224,8 @@ def test_shard_train_state_per_device_bytes(strategy, axes, shard):
   p2, _ = sharded.shard_train_state(p, opt, mesh, strategy=strategy, data_axis=axes)
   for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(p2), strict=True):
     assert {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}.isdisjoint(
-        s.data.unsafe_buffer_pointer() for s in b.addressable_shards)
+      s.data.unsafe_buffer_pointer() for s in b.addressable_shards
+    )
 
 
 # --------------------------------------------------------------------------- bad input

@@ -50,8 +50,10 @@ def run(quick: bool = False) -> list[dict]:
   rows, data = [], {}
   for micro_batch in (8, 128):
     batches = [
-      (jax.random.normal(jax.random.PRNGKey(i), (micro_batch, width)),
-       jax.random.normal(jax.random.PRNGKey(1000 + i), (micro_batch, width)))
+      (
+        jax.random.normal(jax.random.PRNGKey(i), (micro_batch, width)),
+        jax.random.normal(jax.random.PRNGKey(1000 + i), (micro_batch, width)),
+      )
       for i in range(k)
     ]
     plain, _, _ = _transform_runner(accumulate(inner, k), params, batches)
@@ -59,23 +61,29 @@ def run(quick: bool = False) -> list[dict]:
     times = interleaved_medians({"accumulate": plain, "accumulate + noise_scale_ema": tracked}, repeats)
     ratio = times["accumulate + noise_scale_ema"] / times["accumulate"]
     data[f"B={micro_batch}"] = {"k": k, "micro_batch": micro_batch, "seconds_per_window": times, "ratio": ratio}
-    rows.append(f"| K={k}, B={micro_batch} | {times['accumulate'] * 1e3:.2f} | "
-                f"{times['accumulate + noise_scale_ema'] * 1e3:.2f} | {100 * (ratio - 1):+.1f}% |")
+    rows.append(
+      f"| K={k}, B={micro_batch} | {times['accumulate'] * 1e3:.2f} | "
+      f"{times['accumulate + noise_scale_ema'] * 1e3:.2f} | {100 * (ratio - 1):+.1f}% |"
+    )
   comm = {name: _collectives(params, k, ema) for name, ema in (("off", None), ("on", 0.99))}
   data["all_reduces"] = {name: {"instructions": c, "elements": e} for name, (c, e) in comm.items()}
   params_elements = sum(x.size for x in jax.tree.leaves(params))
   markdown = "\n".join(
-    [f"MLP {depth} x {width} ({params_elements:,} parameters), adam, float32; time per window of K "
-     f"micro-steps through the plain update API, median of {repeats} interleaved repeats, jitted and donated. "
-     "Target: <= 2% more with tracking.",
-     "",
-     "| case | ms / window | with noise_scale_ema | overhead |",
-     "|---|---:|---:|---:|"]
+    [
+      f"MLP {depth} x {width} ({params_elements:,} parameters), adam, float32; time per window of K "
+      f"micro-steps through the plain update API, median of {repeats} interleaved repeats, jitted and donated. "
+      "Target: <= 2% more with tracking.",
+      "",
+      "| case | ms / window | with noise_scale_ema | overhead |",
+      "|---|---:|---:|---:|",
+    ]
     + rows
-    + ["",
-       f"All-reduces of one step on {jax.device_count()} devices (compiled HLO, pmap): "
-       f"{comm['off'][0]} instruction(s) of {comm['off'][1]:,} elements without tracking, "
-       f"{comm['on'][0]} of {comm['on'][1]:,} with it (the two scalars sum w|g|^2 and K join the "
-       "window end's all-reduce; no parameter-sized collective is added)."]
+    + [
+      "",
+      f"All-reduces of one step on {jax.device_count()} devices (compiled HLO, pmap): "
+      f"{comm['off'][0]} instruction(s) of {comm['off'][1]:,} elements without tracking, "
+      f"{comm['on'][0]} of {comm['on'][1]:,} with it (the two scalars sum w|g|^2 and K join the "
+      "window end's all-reduce; no parameter-sized collective is added).",
+    ]
   )
   return [{"title": "noise scale: cost of measuring it", "markdown": markdown, "data": data}]

@@ -10,6 +10,8 @@ the gradient reductions inside the loop.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +45,7 @@ def sharded_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=1
   devices = jax.devices()[:8]
   flat = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
   two = jax.make_mesh((2, 4), ("rep", "shard"), axis_types=(AxisType.Auto,) * 2, devices=devices)
-  cases = [
+  cases: list[tuple[str, Any, Any, dict[str, Any]]] = [
     ("ddp", flat, "data", {}),
     ("zero1", flat, "data", {}),
     ("fsdp", flat, "data", {"fsdp_gather": "per_microbatch"}),
@@ -65,8 +67,8 @@ def sharded_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=1
         _loss, opt, strategy=strategy, mesh=mesh, data_axis=axes, num_microbatches=k, **options
       )
       compiled = step.lower(p, s, batch).compile()
-      found = _hlo.collectives(compiled.as_text(), num_devices=8)
-      counts = {}
+      found = _hlo.collectives(compiled.as_text() or "", num_devices=8)
+      counts: dict[str, int] = {}
       for c in found:
         n = k if c.where == "loop" else 1
         counts[c.opcode] = counts.get(c.opcode, 0) + n
@@ -114,7 +116,7 @@ def naive_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=16)
     batch = (jnp.ones((rows, sizes[0]), jnp.float32), jnp.zeros((rows, sizes[-1]), jnp.float32))
     batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
     compiled = jax.jit(step).lower(p, s, batch).compile()
-    found = _hlo.collectives(compiled.as_text(), num_devices=8)
+    found = _hlo.collectives(compiled.as_text() or "", num_devices=8)
     counts: dict = {}
     for c in found:
       counts[c.opcode] = counts.get(c.opcode, 0) + (k if c.where == "loop" else 1)
