@@ -31,8 +31,8 @@ _ALIASES = {
 }
 
 
-def parse(hlo_text: str):
-  """Returns ({computation: [(opcode, called_computations)]}, entry_name)."""
+def _instructions(hlo_text: str):
+  """({computation: [(opcode as written, result type, line, called computations)]}, entry name)."""
   computations: dict[str, list] = {}
   entry = None
   current = None
@@ -51,13 +51,21 @@ def parse(hlo_text: str):
     m = _INSTRUCTION.match(line)
     if not m:
       continue
-    opcode = _ALIASES.get(m.group(2), m.group(2))
-    called = []
+    called: list[tuple[str, str]] = []
     for kind, target in _CALLED.findall(line):
       names = target.strip("{}").split(",")
       called.extend((kind, n.strip().lstrip("%")) for n in names if n.strip())
-    computations[current].append((opcode, called))
+    computations[current].append((m.group(2), m.group(1), line, called))
   return computations, entry
+
+
+def parse(hlo_text: str):
+  """Returns ({computation: [(opcode, called_computations)]}, entry_name)."""
+  computations, entry = _instructions(hlo_text)
+  return {
+    name: [(_ALIASES.get(opcode, opcode), called) for opcode, _, _, called in body]
+    for name, body in computations.items()
+  }, entry
 
 
 def count(hlo_text: str, opcode: str = "all-reduce") -> int:
@@ -171,30 +179,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
   Async `-start`/`-done` pairs count once (at the start). `num_devices` sizes
   the group of an instruction that names none (default: the largest id seen + 1).
   """
-  computations: dict[str, list] = {}
-  entry = None
-  current = None
-  for line in hlo_text.splitlines():
-    if current is None:
-      m = _HEADER.match(line)
-      if m and "=" not in line.split("(")[0]:
-        current = m.group(2)
-        computations[current] = []
-        if m.group(1):
-          entry = current
-      continue
-    if line.strip() == "}":
-      current = None
-      continue
-    m = _INSTRUCTION.match(line)
-    if not m:
-      continue
-    opcode = m.group(2)
-    called: list[tuple[str, str]] = []
-    for kind, target in _CALLED.findall(line):
-      names = target.strip("{}").split(",")
-      called.extend((kind, n.strip().lstrip("%")) for n in names if n.strip())
-    computations[current].append((opcode, m.group(1), line, called))
+  computations, entry = _instructions(hlo_text)
 
   found: list = []
   seen: set = set()

@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,42 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _multihost import free_port, run_workers, worker_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "_multihost_worker.py")
 TIMEOUT_S = 120
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_equal_one(tmp_path):
   out = tmp_path / "result.npz"
-  port = free_port()
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))}
-  env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
-  procs = []
-  try:
-    for i in range(worker.NUM_PROCESSES):
-      procs.append(
-        subprocess.Popen(
-          [sys.executable, WORKER, str(port), str(i), str(out)],
-          env=env,
-          stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT,
-          text=True,
-        )
-      )
-    logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    for i, p in enumerate(procs):
-      assert p.returncode == 0, f"process {i} failed:\n{logs[i][-3000:]}"
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait(timeout=10)
+  run_workers(WORKER, worker.NUM_PROCESSES, out, TIMEOUT_S)
 
   # The reference: one process, the whole batch, adam written with optax's plain API.
   params, batch = worker.problem()
@@ -112,8 +84,7 @@ def test_a_failed_worker_ends_both_and_the_last_checkpoint_resumes_exactly(tmp_p
   step 3 bit for bit and finishes equal to an uninterrupted run."""
   import _multihost_recovery_worker as rw  # noqa: PLC0415
 
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))}
-  env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
+  env = worker_env()
   (tmp_path / "raise").mkdir()
   (tmp_path / "kill").mkdir()
   # Both failure modes at once (4 processes): the machine's startup time is paid once.

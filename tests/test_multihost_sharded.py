@@ -1,9 +1,6 @@
 """Sharded strategies on two processes (gloo, 127.0.0.1, 2 CPU devices each) equal one process on all the data."""
 
 import os
-import socket
-import subprocess
-import sys
 
 import _multihost_sharded_worker as worker
 import chex
@@ -11,15 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _multihost import run_workers
 
 WORKER = os.path.join(os.path.dirname(__file__), "_multihost_sharded_worker.py")
 TIMEOUT_S = 240
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def reference():
@@ -59,29 +51,7 @@ def reference():
 def results(tmp_path_factory):
   """Runs the two workers once (every strategy in the same pair: start-up is paid once)."""
   out = tmp_path_factory.mktemp("multihost_sharded")
-  port = free_port()
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))}
-  env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH", "")])
-  procs = []
-  try:
-    for i in range(worker.NUM_PROCESSES):
-      procs.append(
-        subprocess.Popen(
-          [sys.executable, WORKER, str(port), str(i), str(out)],
-          env=env,
-          stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT,
-          text=True,
-        )
-      )
-    logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    for i, p in enumerate(procs):
-      assert p.returncode == 0, f"process {i} failed:\n{logs[i][-3000:]}"
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait(timeout=10)
+  run_workers(WORKER, worker.NUM_PROCESSES, out, TIMEOUT_S)
   return {
     (name, i): dict(np.load(out / f"{name}.{i}.npz")) for name, _, _ in worker.RUNS for i in range(worker.NUM_PROCESSES)
   }

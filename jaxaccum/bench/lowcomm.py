@@ -24,23 +24,7 @@ from jaxaccum.bench.common import mlp_loss, mlp_params
 from jaxaccum.lowcomm import diloco, local_sgd
 from jaxaccum.parallel import pmean
 
-_BYTES = {
-  "pred": 1,
-  "s8": 1,
-  "u8": 1,
-  "s16": 2,
-  "u16": 2,
-  "f16": 2,
-  "bf16": 2,
-  "s32": 4,
-  "u32": 4,
-  "f32": 4,
-  "s64": 8,
-  "u64": 8,
-  "f64": 8,
-  "c64": 8,
-  "c128": 16,
-}
+_BYTES = _hlo._BYTES  # bytes per element of each HLO dtype
 _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
 _ALL_REDUCE = ("all-reduce", "all-reduce-start")
 
