@@ -117,6 +117,7 @@ def microbatch(
     accumulator_dtype: Any = None,
     reductions: Any = None,
     return_total_weight: bool = False,
+    skip_empty: bool = False,
 ) -> Callable[..., Any]:
   r"""Runs `fun` over `num_microbatches` slices of the batch in a `lax.scan`; returns the weighted mean.
 
@@ -166,6 +167,20 @@ def microbatch(
   local last microbatch of each device (varying under shard_map: return it with
   `out_specs=P(axis_name)` or reduce it yourself).
 
+  Skipping empty microbatches (`skip_empty=True`, needs `weight_fn`). Each
+  microbatch's weight is computed first and `fun` runs under
+  `lax.cond(w_i > 0, ...)`: a microbatch of weight 0 costs its `weight_fn`
+  and a branch that passes the running sums through, no forward or backward
+  pass. So one compiled function runs any number n <= K of real microbatches,
+  n read from the data (e.g. from a mask; see `pad_microbatches`), with no
+  recompile. Means and sums are those of the real microbatches, as without
+  the option; "concat" leaves hold zeros in a skipped microbatch's rows (or
+  entry), not `fun`'s output on padding; "last" is the last microbatch that
+  ran (zeros if none ran). With `axis_name` each device skips its own empty
+  microbatches (the cond is local: no collective inside the loop). Under
+  `jax.vmap` a batched predicate turns the cond into a select that runs both
+  branches: correct, but nothing is skipped.
+
   Flax BatchNorm statistics returned as aux are averaged like everything else;
   see `make_train_step` for what that means next to full-batch statistics.
 
@@ -173,7 +188,8 @@ def microbatch(
     fun: the function to wrap; its outputs (any pytree of arrays or Python
       scalars) are combined over microbatches per `reductions`.
     num_microbatches: K, an int >= 1 dividing the leading size of every batch
-      leaf. K = 1 calls `fun` once, with no loop.
+      leaf. K = 1 calls `fun` once, with no loop (with `skip_empty`, a loop
+      of one).
     batch_argnums: the positional argument(s) holding the batch (pytrees whose
       leaves share a leading batch size). With K > 1 the outputs must depend
       on them: a `fun` that closes over its batch is a ValueError.
@@ -197,6 +213,9 @@ def microbatch(
     return_total_weight: return `(outputs, total_weight)`, the total weight
       sum_i w_i (over all devices with `axis_name`) as a scalar in the
       accumulation dtype: 0 when nothing was averaged.
+    skip_empty: do not run `fun` on a microbatch whose weight is 0 (see
+      "Skipping empty microbatches" above). A negative or NaN weight is not
+      run either (and makes the total weight NaN, as without the option).
 
   Returns:
     A function with `fun`'s signature and output structure (a pair with the
@@ -223,6 +242,11 @@ def microbatch(
   if not isinstance(return_total_weight, bool):
     raise TypeError(f"{return_total_weight=} must be a bool")
   _check_reductions(reductions)
+  if not isinstance(skip_empty, bool):
+    raise TypeError(f"{skip_empty=} must be a bool")
+  if skip_empty and weight_fn is None:
+    raise ValueError(f"{skip_empty=} needs a weight_fn: a microbatch is empty when its weight is 0 "
+                     "(e.g. weight_fn=lambda b: b['mask'].sum())")
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
@@ -245,14 +269,16 @@ def microbatch(
       raise ValueError(
           f"the batch's leading size {size} is not divisible by num_microbatches={k}")
 
-    def call(mb_batches, i):
+    def run(mb_batches, i):
       call_args = list(args)
       for j, b in zip(idx, mb_batches, strict=True):
         call_args[j] = b
       if kidx is not None:
         call_args[kidx] = jax.random.fold_in(args[kidx], i)
       # Python scalars (a float returned as a metric) become arrays, as jit would make them.
-      out = jax.tree.map(jnp.asarray, fun(*call_args, **kwargs))
+      return jax.tree.map(jnp.asarray, fun(*call_args, **kwargs))
+
+    def weigh(mb_batches):
       if weight_fn is None:
         w = jnp.ones((), jnp.float32)
       else:
@@ -262,9 +288,12 @@ def microbatch(
         if not (jnp.issubdtype(w.dtype, jnp.floating) or jnp.issubdtype(w.dtype, jnp.integer)
                 or w.dtype == jnp.bool_):
           raise TypeError(f"weight_fn must return a real number, got dtype {w.dtype}")
-      return out, w
+      return w
 
-    if k == 1:
+    def call(mb_batches, i):
+      return run(mb_batches, i), weigh(mb_batches)
+
+    if k == 1 and not skip_empty:
       out, w = call(batches, 0)
       leaves, treedef = jax.tree.flatten(out)
       reds = _leaf_reductions(reductions, out)
@@ -292,8 +321,9 @@ def microbatch(
     # whether the outputs depend on the batch at all.
     first = take(0)
     closed, (out_shape, w_shape) = jax.make_jaxpr(lambda mb: call(mb, 0), return_shape=True)(first)
-    _check_depends_on_batch(closed.jaxpr, len(jax.tree.leaves(first)), len(jax.tree.leaves(out_shape)),
-                            batch_argnums)
+    if k > 1:
+      _check_depends_on_batch(closed.jaxpr, len(jax.tree.leaves(first)), len(jax.tree.leaves(out_shape)),
+                              batch_argnums)
     shapes, treedef = jax.tree.flatten(out_shape)
     reds = _leaf_reductions(reductions, out_shape)
     wdtype = _wdtype(shapes, reds, accumulator_dtype)
@@ -303,9 +333,20 @@ def microbatch(
 
     def body(carry, i):
       accs, wsum, ok = carry
-      out, w = call(take(i), i)
-      w = w.astype(wsum.dtype)
-      accs = [_update(a, o, w, i, r) for a, o, r in zip(accs, treedef.flatten_up_to(out), reds, strict=True)]
+      mb = take(i)
+      w = weigh(mb).astype(wsum.dtype)
+
+      def add(accs):
+        out = run(mb, i)
+        return [_update(a, o, w, i, r) for a, o, r in zip(accs, treedef.flatten_up_to(out), reds, strict=True)]
+
+      if skip_empty:
+        # The sums travel through the cond, so a skipped microbatch writes nothing: no
+        # zeros-sized output to add, and "last" keeps the last microbatch that ran.
+        # NaN > 0 is False: an invalid weight is not run either (ok records it).
+        accs = parallel.cond(w > 0, add, lambda accs: accs, accs)
+      else:
+        accs = add(accs)
       return (accs, wsum + w, ok & _weight_ok(w)), None
 
     (accs, wsum, ok), _ = lax.scan(body, (acc0, wsum0, ok0), jnp.arange(k))
@@ -313,6 +354,74 @@ def microbatch(
     return (out, total) if return_total_weight else out
 
   return wrapped
+
+
+def pad_microbatches(microbatches, num_microbatches: int, *, num_devices: int = 1):
+  """Lays out n <= P K microbatches as one batch of P K microbatches (the rest padding), and a row mask.
+
+  For a step built with `num_microbatches=K` (K_max) and `skip_empty=True`
+  that should run a number of real microbatches that changes from step to
+  step without recompiling: the batch always has P K microbatches of m rows
+  (P = `num_devices`, the size of the data axis), of which the first n given
+  here are real and the others zeros. Microbatch j goes to device j mod P,
+  microbatch slot j // P there, so real microbatches are spread over the
+  devices (each runs ceil(n/P) or fewer) and, in the layout `microbatch`
+  splits (slot i of a device holds rows i, i+K, i+2K, ... of its contiguous
+  block of m K rows), row t of microbatch j lands at global row
+
+    p m K + t K + i,   p = j mod P,  i = j // P.
+
+  Host-side (numpy), for the data loader; pass the result through
+  `ja.shard_batch` on a mesh.
+
+  Args:
+    microbatches: a non-empty sequence of n pytrees with the same structure,
+      leaf shapes and dtypes, whose leaves share a leading size m.
+    num_microbatches: K, microbatches per device per step (n <= P K).
+    num_devices: P, the number of devices on the data axis (1 without a mesh).
+
+  Returns:
+    `(batch, mask)`: `batch` has the microbatches' structure with leaves of
+    P K m rows (numpy, zeros in padding rows); `mask` is a bool vector of P K m
+    rows, True on real rows. Use it as weight, e.g. put it in the batch and
+    pass `weight_fn=lambda b: b["mask"].sum()`; a batch that already carries
+    its own row mask gets zeros (weight 0) in the padding rows anyway.
+  """
+  k = _tree.check_positive_int(num_microbatches, "num_microbatches")
+  p = _tree.check_positive_int(num_devices, "num_devices")
+  if isinstance(microbatches, dict) or not hasattr(microbatches, "__len__") or not len(microbatches):
+    raise ValueError(f"microbatches must be a non-empty list of microbatches (pytrees), got {microbatches!r}")
+  n = len(microbatches)
+  if n > p * k:
+    raise ValueError(f"{n} microbatches do not fit in num_devices={p} x num_microbatches={k} = {p * k}")
+  leaves0, treedef = jax.tree.flatten(microbatches[0])
+  m = leading_size(microbatches[0], "microbatches[0]")
+  flat = []
+  for j, mb in enumerate(microbatches):
+    leaves, td = jax.tree.flatten(mb)
+    if td != treedef:
+      raise ValueError(f"microbatches[{j}] has structure {td}, microbatches[0] has {treedef}")
+    leading_size(mb, f"microbatches[{j}]")
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(mb), leaves0, strict=True):
+      a, b = np.asarray(a), np.asarray(b)
+      if a.shape != b.shape or a.dtype != b.dtype:
+        where = jax.tree_util.keystr(path)
+        raise ValueError(f"microbatches[{j}]{where} has shape {a.shape} and dtype {a.dtype} where "
+                         f"microbatches[0]{where} has {b.shape} and {b.dtype}: every microbatch needs "
+                         "the same shapes and dtypes")
+    flat.append(leaves)
+  out = []
+  for col in zip(*flat, strict=True):
+    first = np.asarray(col[0])
+    # (P, m, K, ...): device p, row t, slot i; a C-order reshape gives row p m K + t K + i.
+    buf = np.zeros((p, m, k) + first.shape[1:], first.dtype)
+    for j, leaf in enumerate(col):
+      buf[j % p, :, j // p] = np.asarray(leaf)
+    out.append(buf.reshape((p * m * k,) + first.shape[1:]))
+  mask = np.zeros((p, m, k), bool)
+  for j in range(n):
+    mask[j % p, :, j // p] = True
+  return jax.tree.unflatten(treedef, out), mask.reshape(-1)
 
 
 REDUCTIONS = ("mean", "sum", "concat", "last")

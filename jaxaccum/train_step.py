@@ -90,7 +90,7 @@ class TrainStep:
 
 def _sharded_step(loss_fn, optimizer, *, num_microbatches, mesh, data_axis, has_aux, weight_fn, donate,
                   aux_reductions, has_state, state_reductions, grad_norms, strategy, comm_dtype, fsdp_gather,
-                  noise_scale=False):
+                  noise_scale=False, skip_empty=False):
   """make_train_step for a sharded strategy (or ddp with a wire dtype): `jaxaccum.sharded` builds it."""
   from jaxaccum import sharded  # sharded imports only _tree and parallel: no cycle
 
@@ -98,7 +98,8 @@ def _sharded_step(loss_fn, optimizer, *, num_microbatches, mesh, data_axis, has_
     raise ValueError(f"{strategy=} must be one of {sharded.STRATEGIES}")
   if mesh is None:
     raise ValueError(f"{strategy=} (or comm_dtype/fsdp_gather) needs a mesh: make_train_step(..., mesh=...)")
-  for name, value in (("has_state", has_state), ("grad_norms", grad_norms), ("noise_scale", noise_scale)):
+  for name, value in (("has_state", has_state), ("grad_norms", grad_norms), ("noise_scale", noise_scale),
+                      ("skip_empty", skip_empty)):
     if value is not False:
       raise ValueError(f"{name}={value!r} is not supported with {strategy=} yet (only with strategy='ddp')")
   for name, value in (("aux_reductions", aux_reductions), ("state_reductions", state_reductions)):
@@ -127,6 +128,7 @@ def make_train_step(
     comm_dtype: Any = None,
     fsdp_gather: str = "per_microbatch",
     noise_scale: bool = False,
+    skip_empty: bool = False,
 ):
   r"""Returns a jitted `step(params, opt_state, batch, key=None) -> (params, opt_state, metrics)`.
 
@@ -143,6 +145,17 @@ def make_train_step(
   `metrics["applied"]` is False and `metrics["total_weight"]` is 0 (NaN when a
   weight was negative or non-finite: that step is skipped too). An empty batch
   (0 rows) is a ValueError.
+
+  A varying number of microbatches (`skip_empty=True`, needs `weight_fn`): a
+  microbatch of weight 0 is not run (no forward or backward pass, see
+  `ja.microbatch`), so one compiled step with K = K_max runs however many real
+  microbatches the batch holds, n <= K_max per device, read from the data:
+  no recompile when n changes. `ja.pad_microbatches` lays out n microbatches
+  as a batch of K_max (P K_max on a mesh) with a row mask. The result equals
+  the full-batch step on the real rows; skipped microbatches contribute
+  nothing to the loss, gradient, aux, state or noise scale; their
+  `grad_norms` entries and "concat" rows are 0; "last" is the last microbatch
+  that ran (of the last device that ran one).
 
   Model state (`has_state=True`): state that is not trained but updated by the
   forward pass (Flax `batch_stats`, `eqx.nn.State`, nnx `BatchStat`/RNG state)
@@ -214,6 +227,8 @@ def make_train_step(
       estimate is noisy: smooth it across steps with
       `ema = ja.noise_scale_smooth(ema, metrics["noise_scale"], decay)`
       (start from `ema = None`) and read `ja.noise_scale(ema)`.
+    skip_empty: skip microbatches of weight 0 (see above); needs
+      `weight_fn`; "ddp" only.
 
   Returns:
     A `jax.jit`-wrapped step (`.lower(...)` works). `metrics` holds
@@ -232,16 +247,19 @@ def make_train_step(
                          has_aux=has_aux, weight_fn=weight_fn, donate=donate, aux_reductions=aux_reductions,
                          has_state=has_state, state_reductions=state_reductions, grad_norms=grad_norms,
                          strategy=strategy, comm_dtype=comm_dtype, fsdp_gather=fsdp_gather,
-                         noise_scale=noise_scale)
+                         noise_scale=noise_scale, skip_empty=skip_empty)
   if not hasattr(optimizer, "update") or not hasattr(optimizer, "init"):
     raise TypeError(f"optimizer={optimizer!r} must be an optax GradientTransformation")
   k = _tree.check_positive_int(num_microbatches, "num_microbatches")
   for name, value in (("has_aux", has_aux), ("donate", donate), ("has_state", has_state),
-                      ("grad_norms", grad_norms), ("noise_scale", noise_scale)):
+                      ("grad_norms", grad_norms), ("noise_scale", noise_scale), ("skip_empty", skip_empty)):
     if not isinstance(value, bool):
       raise TypeError(f"{name}={value!r} must be a bool")
   if weight_fn is not None and not callable(weight_fn):
     raise TypeError(f"weight_fn={weight_fn!r} must be callable or None")
+  if skip_empty and weight_fn is None:
+    raise ValueError(f"{skip_empty=} needs a weight_fn: a microbatch is empty when its weight is 0 "
+                     "(e.g. weight_fn=lambda b: b['mask'].sum())")
   if aux_reductions is not None and not has_aux:
     raise ValueError(f"{aux_reductions=} needs has_aux=True (loss_fn returning (loss, aux))")
   if state_reductions is not None and not has_state:
@@ -261,6 +279,8 @@ def make_train_step(
   except TypeError:
     check_binds(loss_fn, "loss_fn", head, {}, hint)
   axis = data_axis if mesh is not None else None
+  # With skipping on a mesh, "last" leaves come from the last device that ran a microbatch.
+  ran_flag = skip_empty and axis is not None
   grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux or has_state)
   nbatch = len(head) - 1  # the batch's position among loss_fn's arguments
 
@@ -293,6 +313,8 @@ def make_train_step(
       if noise_scale:  # |g_i|^2 (a weighted mean: S1) and 1 (a sum over microbatches of weight > 0: K)
         wide = _tree.widest(_tree.accumulator_dtype(x.dtype) for x in jax.tree.leaves(grads))
         out = (*out, _noise.sq_norm(grads, wide), jnp.ones([], wide))
+      if ran_flag:  # 1 on a device that ran a microbatch, "last": its init 0 on one that skipped them all
+        out = (*out, jnp.ones([], jnp.float32))
       # The parameters are varying, so the gradients are per device by construction;
       # a loss or aux that is the same on every device (a constant) is then fine too.
       return out if axis is None else parallel.to_varying(out, axis)
@@ -307,21 +329,25 @@ def make_train_step(
     if has_state or has_aux:
       value_red = ("mean", (state_red, aux_red) if has_state and has_aux else state_red if has_state else aux_red)
     reductions = (value_red, "mean") + (("concat",) if grad_norms else ()) + (("mean", "sum") if noise_scale else ())
+    reductions += ("last",) if ran_flag else ()
     out, total = microbatch(
         fun, k, batch_argnums=nbatch, weight_fn=weight_fn, key_argnum=None if key is None else nbatch + 1,
-        axis_name=axis, reductions=reductions, return_total_weight=True)(*args)
+        axis_name=axis, reductions=reductions, return_total_weight=True, skip_empty=skip_empty)(*args)
+    ran = None
+    if ran_flag:
+      ran, out = out[-1], out[:-1]
     value, grads = out[0], out[1]
     loss, new_state, aux = value, None, None
     if has_state:
       loss, rest = value
       new_state, aux = rest if has_aux else (rest, None)
       if axis is not None:
-        new_state = _last_of_last_device(new_state, state_red, axis)
+        new_state = _last_of_last_device(new_state, state_red, axis, ran)
       new_state = _tree.cast_like(new_state, state)  # the same dtypes every step: no recompiles
     elif has_aux:
       loss, aux = value
     if has_aux and axis is not None:
-      aux = _last_of_last_device(aux, aux_red, axis)
+      aux = _last_of_last_device(aux, aux_red, axis, ran)
     # NaN (an invalid weight) compares False too: no update from it either.
     applied = total > 0
 
@@ -380,11 +406,14 @@ def make_train_step(
   return TrainStep(jitted, ("params", "opt_state", "batch", "key"), plain_step)
 
 
-def _last_of_last_device(tree, reductions, axis):
+def _last_of_last_device(tree, reductions, axis, ran=None):
   """Leaves reduced with "last" hold each device's own last microbatch: take the last device's.
 
   So that the step's outputs are replicated, and "last" means the last
-  microbatch of the whole batch. One small all-gather of those leaves.
+  microbatch of the whole batch. One small all-gather of those leaves. `ran`
+  (skip_empty): per device, > 0 where it ran a microbatch; the last such
+  device's values are taken (the last device's when none ran: the step then
+  applies nothing anyway).
   """
   if tree is None:
     return tree
@@ -392,7 +421,13 @@ def _last_of_last_device(tree, reductions, axis):
   reds = _leaf_reductions(reductions, tree)
   picked = [i for i, r in enumerate(reds) if r == "last"]
   if picked:
-    got = lax.all_gather(parallel.to_varying([leaves[i] for i in picked], axis), axis, to="invarying")
+    sent = [leaves[i] for i in picked] + ([] if ran is None else [ran])
+    got = lax.all_gather(parallel.to_varying(sent, axis), axis, to="invarying")
+    last = -1
+    if ran is not None:
+      flags = got.pop() > 0
+      n = flags.shape[0]
+      last = jnp.where(jnp.any(flags), n - 1 - jnp.argmax(flags[::-1]), n - 1)
     for i, g in zip(picked, got, strict=True):
-      leaves[i] = g[-1]
+      leaves[i] = g[last]
   return jax.tree.unflatten(treedef, leaves)

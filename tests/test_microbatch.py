@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import jaxaccum as ja
 from jaxaccum import _hlo
 from conftest import mlp_apply, mlp_init, mse_loss, regression_data
+from jaxaccum.microbatch import pad_microbatches
 
 RTOL = 1e-12
 
@@ -423,3 +424,90 @@ def test_reductions_bad_input(problem):
       ja.microbatch(counting, k, reductions={"loss": "mean", "n": "sum", "ok": "sum"})(params, data)
     out = ja.microbatch(counting, k, reductions={"loss": "mean", "n": "sum", "ok": "last"})(params, data)
     assert int(out["n"]) == int(jnp.sum(data[0][:, 0] > 0)) and out["ok"].dtype == jnp.bool_
+
+
+# --------------------------------------------------------------------------- issue 14: skip_empty, pad_microbatches
+
+
+def test_pad_microbatches_layout():
+  """Microbatch j lands in device j % P, slot j // P: rows p m K + t K + i; the rest zeros, masked out."""
+  m, k, p = 2, 3, 2
+  mbs = [{"v": np.full((m, 2), j + 1.0), "t": np.arange(m) + 10 * j} for j in range(4)]
+  batch, mask = pad_microbatches(mbs, k, num_devices=p)
+  assert batch["v"].shape == (p * k * m, 2) and batch["t"].dtype == mbs[0]["t"].dtype and mask.dtype == np.bool_
+  for j, mb in enumerate(mbs):
+    dev, slot = j % p, j // p
+    block = slice(dev * m * k, (dev + 1) * m * k)
+    np.testing.assert_array_equal(batch["v"][block][slot::k], mb["v"])  # what microbatch() gives slot i
+    np.testing.assert_array_equal(batch["t"][block][slot::k], mb["t"])
+    assert mask[block][slot::k].all()
+  assert mask.sum() == 4 * m and not batch["v"][~mask].any()
+  with pytest.raises(ValueError, match=r"5 microbatches do not fit in num_devices=2 x num_microbatches=2 = 4"):
+    pad_microbatches(mbs + mbs[:1], 2, num_devices=2)
+  with pytest.raises(ValueError, match=r"microbatches\[1\]\['t'\] has shape \(3,\) and dtype int64 where "
+                                       r"microbatches\[0\]\['t'\] has \(2,\)"):
+    pad_microbatches([mbs[0], {"v": np.ones((3, 2)), "t": np.arange(3)}], 2)
+  with pytest.raises(ValueError, match="non-empty list"):
+    pad_microbatches([], 2)
+  with pytest.raises(ValueError, match=r"num_devices=0 must be an integer >= 1"):
+    pad_microbatches(mbs, 2, num_devices=0)
+
+
+def test_skip_empty_does_not_run_padding(problem):
+  """fun runs once per real microbatch (counted by a host callback); padding's NaN outputs never appear."""
+  params, _, (x, y) = problem
+  k, m = 4, 5
+  mbs = [{"x": np.asarray(x[j * m:(j + 1) * m]), "y": np.asarray(y[j * m:(j + 1) * m])} for j in range(4)]
+  calls = []
+
+  def fun(p, b):
+    jax.debug.callback(lambda: calls.append(1))
+    loss, grads = jax.value_and_grad(masked_loss)(p, b)  # 0/0 = NaN on an all-padding microbatch
+    return loss, grads, b["x"] / b["mask"][:, None], b["x"][0, 0]
+
+  f = jax.jit(ja.microbatch(fun, k, weight_fn=lambda b: jnp.sum(b["mask"]), skip_empty=True,
+                            reductions=("mean", "mean", "concat", "last")))
+  for n in (1, 3, 4):
+    batch, mask = pad_microbatches(mbs[:n], k)
+    batch["mask"] = mask.astype(np.float64)
+    calls.clear()
+    loss, grads, rows, last = jax.block_until_ready(f(params, batch))
+    assert len(calls) == n
+    expected = jax.value_and_grad(mse_loss)(params, (x[:n * m], y[:n * m]))
+    chex.assert_trees_all_close((loss, grads), expected, rtol=RTOL, atol=1e-15)
+    np.testing.assert_array_equal(rows, np.where(mask[:, None], batch["x"], 0.0))  # zeros, not NaN
+    assert float(last) == float(mbs[n - 1]["x"][0, 0])  # the last microbatch that ran
+  assert f._cache_size() == 1
+  hlo = f.lower(params, batch).compile().as_text()
+  assert _hlo.locate(hlo, "conditional") == {"loop": 1}
+
+
+def test_skip_empty_under_shard_map_and_pmap(problem):
+  """Each device skips its own empty microbatches; one all-reduce after the loop, none inside."""
+  params, _, (x, y) = problem
+  k, m, n = 2, 3, 5  # devices 0-4 hold one real microbatch, devices 5-7 none
+  mbs = [{"x": np.asarray(x[j * m:(j + 1) * m]), "y": np.asarray(y[j * m:(j + 1) * m])} for j in range(n)]
+  batch, mask = pad_microbatches(mbs, k, num_devices=8)
+  batch["mask"] = mask.astype(np.float64)
+  expected = jax.value_and_grad(mse_loss)(params, (x[:n * m], y[:n * m]))
+  wrap = lambda: ja.microbatch(jax.value_and_grad(masked_loss), k, weight_fn=lambda b: jnp.sum(b["mask"]),
+                               axis_name="data", skip_empty=True)
+
+  def local(params, batch):
+    return wrap()(lax.pcast(params, "data", to="varying"), batch)
+
+  fun = jax.jit(jax.shard_map(local, mesh=ja.data_mesh(), in_specs=(P(), P("data")), out_specs=P()))
+  chex.assert_trees_all_close(fun(params, batch), expected, rtol=RTOL, atol=1e-15)
+  hlo = fun.lower(params, batch).compile().as_text()
+  assert _hlo.locate(hlo, "all-reduce") == {"top": 1} and _hlo.locate(hlo, "conditional")["loop"] == 1
+  out = jax.pmap(wrap(), axis_name="data", in_axes=(None, 0))(
+      params, jax.tree.map(lambda a: a.reshape((8, -1) + a.shape[1:]), batch))
+  chex.assert_trees_all_close(jax.tree.map(lambda o: o[7], out), expected, rtol=RTOL, atol=1e-15)
+
+
+def test_skip_empty_bad_input(problem):
+  vg = jax.value_and_grad(masked_loss)
+  with pytest.raises(ValueError, match=r"skip_empty=True needs a weight_fn"):
+    ja.microbatch(vg, 2, skip_empty=True)
+  with pytest.raises(TypeError, match=r"skip_empty='yes' must be a bool"):
+    ja.microbatch(vg, 2, skip_empty="yes", weight_fn=lambda b: 1.0)

@@ -13,6 +13,7 @@ from jax import lax
 import jaxaccum as ja
 from jaxaccum import _hlo
 from conftest import mlp_apply, mlp_init, mse_loss, regression_data
+from jaxaccum.microbatch import pad_microbatches
 
 RTOL = 1e-12
 
@@ -587,3 +588,115 @@ def test_a_tuple_returned_without_has_aux_says_what_to_pass(problem):
   step = ja.make_train_step(lambda p, b: (loss_fn(p, b), {"n": 1.0}), optax.sgd(0.1), donate=False)
   with pytest.raises(TypeError, match=r"has_aux=True.*has_state=True"):
     step(params, optax.sgd(0.1).init(params), data)
+
+
+# --------------------------------------------------------------------------- issue 14: a varying number of microbatches
+
+
+def padded_mse(params, batch):
+  """Masked mean over the microbatch's real rows: 0/0 = NaN on an all-padding microbatch (skipped)."""
+  err = jnp.sum((mlp_apply(params, batch["x"]) - batch["y"]) ** 2, axis=-1)
+  return jnp.sum(batch["mask"] * err) / jnp.sum(batch["mask"])
+
+
+def real_microbatches(x, y, n, m):
+  return [{"x": np.asarray(x[j * m:(j + 1) * m]), "y": np.asarray(y[j * m:(j + 1) * m])} for j in range(n)]
+
+
+@pytest.mark.parametrize("devices", [None, 8])
+def test_skip_empty_runs_n_real_microbatches_without_recompiling(problem, devices):
+  """K_max = 4 (per device): n real microbatches padded to K_max equal plain adam on the real rows; one compile."""
+  params, _, (x, y) = problem
+  k_max, m, p = 4, 3, devices or 1
+  opt = optax.adam(1e-2)
+  mesh = None if devices is None else ja.data_mesh()
+  traces = []
+
+  def loss_fn(params, batch):
+    traces.append(1)  # at trace time only: a recompile for another n would trace again
+    return padded_mse(params, batch)
+
+  step = ja.make_train_step(loss_fn, opt, num_microbatches=k_max, mesh=mesh, skip_empty=True, grad_norms=True,
+                            weight_fn=lambda b: jnp.sum(b["mask"]))
+  put = (lambda t: t) if mesh is None else (lambda t: ja.replicate(t, mesh))
+  shard = (lambda t: t) if mesh is None else (lambda t: ja.shard_batch(t, mesh))
+  # Per device: 1, 3 and K_max real microbatches; on 8 devices also 3 in all (devices 3-7 run none).
+  counts = [n * p for n in (1, 3, k_max)] + ([3] if devices else [])
+  for n in counts:
+    mbs = real_microbatches(x, y, n, m)
+    batch, mask = pad_microbatches(mbs, k_max, num_devices=p)
+    batch["mask"] = mask.astype(np.float64)
+    pp, s = put(fresh(params)), put(fresh(opt.init(params)))
+    for _ in range(2):
+      pp, s, metrics = step(pp, s, shard(batch))
+    if n == counts[0]:
+      traced = len(traces)
+    rows = (x[:n * m], y[:n * m])
+    expected_params, expected_losses = plain_adam(mse_loss, params, rows, steps=2)
+    chex.assert_trees_all_close(pp, expected_params, rtol=RTOL, atol=1e-15)
+    np.testing.assert_allclose(metrics["loss"], expected_losses[-1], rtol=RTOL)
+    assert float(metrics["total_weight"]) == n * m and bool(metrics["applied"])
+    # Skipped microbatches have norm 0, not the NaN of their 0/0 loss: they did not run.
+    assert np.all(np.isfinite(metrics["grad_norms"])) and np.sum(np.asarray(metrics["grad_norms"]) > 0) == n
+  assert len(traces) == traced > 0  # traced once, for the first n: no recompile for the others
+
+
+def test_skip_empty_grad_norms_and_state_on_mesh(problem):
+  """has_state and grad_norms with skipped microbatches: state from real ones, "last" from the last one that ran."""
+  params, _, (x, y) = problem
+  k_max, m, devices = 2, 2, 8
+
+  def loss_fn(p, state, batch):
+    loss = padded_mse(p, batch)
+    new_state = {"mean_x": jnp.sum(batch["mask"] * batch["x"][:, 0]) / jnp.sum(batch["mask"]),
+                 "first_x": batch["x"][0, 0], "calls": state["calls"] + 1}
+    return loss, new_state
+
+  state = {"mean_x": jnp.zeros(()), "first_x": jnp.zeros(()), "calls": jnp.zeros((), jnp.int32)}
+  mesh, opt = ja.data_mesh(), optax.sgd(0.1)
+  step = ja.make_train_step(loss_fn, opt, num_microbatches=k_max, mesh=mesh, has_state=True, grad_norms=True,
+                            skip_empty=True, weight_fn=lambda b: jnp.sum(b["mask"]), donate=False,
+                            state_reductions={"mean_x": "mean", "first_x": "last", "calls": "last"})
+  for n in (3, 11):
+    mbs = real_microbatches(x, y, n, m)
+    batch, mask = pad_microbatches(mbs, k_max, num_devices=devices)
+    batch["mask"] = mask.astype(np.float64)
+    p1, st, _, metrics = step(ja.replicate(params, mesh), ja.replicate(state, mesh),
+                              ja.replicate(opt.init(params), mesh), ja.shard_batch(batch, mesh))
+    grads = [jax.grad(mse_loss)(params, (mb["x"], mb["y"])) for mb in mbs]
+    mean_grad = jax.tree.map(lambda *g: sum(g) / n, *grads)
+    chex.assert_trees_all_close(p1, jax.tree.map(lambda a, g: a - 0.1 * g, params, mean_grad), rtol=RTOL, atol=1e-15)
+    norms = np.zeros(devices * k_max)
+    for j, g in enumerate(grads):
+      norms[(j % devices) * k_max + j // devices] = float(optax.tree.norm(g))
+    np.testing.assert_allclose(metrics["grad_norms"], norms, rtol=RTOL)
+    last = max(range(n), key=lambda j: (j % devices, j // devices))  # device-major execution order
+    np.testing.assert_allclose(st["mean_x"], np.mean(x[:n * m, 0]), rtol=RTOL)
+    assert float(st["first_x"]) == float(mbs[last]["x"][0, 0]) and int(st["calls"]) == 1
+  hlo = step.lower(ja.replicate(params, mesh), ja.replicate(state, mesh), ja.replicate(opt.init(params), mesh),
+                   ja.shard_batch(batch, mesh)).compile().as_text()
+  assert _hlo.locate(hlo, "conditional")["loop"] >= 1  # the skip is a branch inside the loop body
+  for op in _hlo.COLLECTIVES:
+    assert _hlo.locate(hlo, op)["loop"] == 0, op  # the cond is per device: no collective inside the loop
+  assert _hlo.locate(hlo, "all-reduce") == {"top": 1}
+
+
+def test_skip_empty_all_padding_and_bad_input(problem):
+  params, _, (x, y) = problem
+  opt = optax.adam(1e-2)
+  step = ja.make_train_step(padded_mse, opt, num_microbatches=4, skip_empty=True, donate=False,
+                            weight_fn=lambda b: jnp.sum(b["mask"]))
+  batch, mask = pad_microbatches(real_microbatches(x, y, 2, 3), 4)
+  batch["mask"] = mask.astype(np.float64)
+  p, s, _ = step(params, opt.init(params), batch)
+  p2, s2, metrics = step(p, s, dict(batch, mask=np.zeros_like(batch["mask"])))
+  assert not bool(metrics["applied"]) and float(metrics["total_weight"]) == 0 and float(metrics["loss"]) == 0
+  for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p2, s2)), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match=r"skip_empty=True needs a weight_fn"):
+    ja.make_train_step(padded_mse, opt, num_microbatches=4, skip_empty=True)
+  with pytest.raises(TypeError, match=r"skip_empty=1 must be a bool"):
+    ja.make_train_step(padded_mse, opt, skip_empty=1, weight_fn=lambda b: 1.0)
+  with pytest.raises(ValueError, match=r"skip_empty=True is not supported with strategy='zero1'"):
+    ja.make_train_step(padded_mse, opt, mesh=ja.data_mesh(), strategy="zero1", skip_empty=True,
+                       weight_fn=lambda b: 1.0)
