@@ -7,6 +7,9 @@
   interleaved repeats, medians (the machine is shared: read the ratios).
 - All-reduce instructions per update on 8 devices at K=16: make_train_step vs
   optax.MultiSteps + pmean under pmap vs jit with a sharded batch and a scan.
+- skip_empty: a step compiled for K_max microbatches running K_max/2 real ones
+  (the rest padding, skipped) vs K_max real ones vs K_max/2 with no padding:
+  the cost of one padding microbatch relative to a real one (target <= 5%).
 
 Touches no device at import: `python -m jaxaccum.bench` sets 8 CPU devices first.
 """
@@ -17,11 +20,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 from jaxaccum import _hlo, parallel
-from jaxaccum.bench.common import interleaved_medians, mlp_batch, mlp_loss, mlp_params, tree_bytes
+from jaxaccum.bench.common import interleaved_medians, mlp_apply, mlp_batch, mlp_loss, mlp_params, tree_bytes
+from jaxaccum.microbatch import pad_microbatches
 from jaxaccum.planner import compiled_memory_bytes
 from jaxaccum.train_step import make_train_step
 
@@ -239,5 +244,86 @@ def _all_reduces(quick):
   }
 
 
+def _masked_loss(params, batch):
+  """Mean squared error over the real rows (mask 1); an all-padding microbatch gives 0/0 (skipped)."""
+  err = jnp.mean((mlp_apply(params, batch["x"]) - batch["y"]) ** 2, axis=-1)
+  return jnp.sum(batch["mask"] * err) / jnp.sum(batch["mask"])
+
+
+def _skip_empty(quick):
+  width, depth, m, k_max = (128, 4, 8, 8) if quick else (512, 4, 8, 16)
+  repeats = 3 if quick else 31
+  params = mlp_params(jax.random.PRNGKey(0), width, depth)
+  opt = optax.adam(1e-3)
+  x, y = mlp_batch(jax.random.PRNGKey(1), m * k_max, width)
+  steps = {}
+
+  def runner(k, n, skip=True):
+    """A step compiled for K = k (once per k) running n real microbatches, k - n padding."""
+    if (k, skip) not in steps:
+      steps[k, skip] = make_train_step(
+        _masked_loss, opt, num_microbatches=k, weight_fn=lambda b: jnp.sum(b["mask"]), skip_empty=skip
+      )
+    step = steps[k, skip]
+    mbs = [{"x": x[j * m : (j + 1) * m], "y": y[j * m : (j + 1) * m]} for j in range(n)]
+    batch, mask = pad_microbatches(mbs, k)
+    batch["mask"] = mask.astype("float32")
+    batch = jax.tree.map(jnp.asarray, batch)
+    carry = [jax.tree.map(jnp.copy, params), opt.init(params)]
+
+    def run():
+      carry[0], carry[1], *_ = step(carry[0], carry[1], batch)
+      jax.block_until_ready(carry)
+
+    return run
+
+  # K_max with n real out of K_max, and K = n with no padding: t(K, n) = c + n real + (K - n) pad.
+  if quick:  # two compiles: only a smoke test of the section (the fit is exact on 3 points)
+    cases = [(k_max, k_max // 2), (k_max, k_max), (k_max // 2, k_max // 2)]
+  else:
+    cases = [(k_max, n) for n in (k_max // 8, k_max // 4, k_max // 2, 3 * k_max // 4, k_max)]
+    cases += [(n, n) for n in (k_max // 8, k_max // 4, k_max // 2)]
+  name = lambda k, n: f"K={k}, {n} real + {k - n} padding (skip_empty)"
+  runners = {name(k, n): runner(k, n) for k, n in cases}
+  no_skip = f"K={k_max}, {k_max} real (no skip_empty)"
+  runners[no_skip] = runner(k_max, k_max, skip=False)
+  times = interleaved_medians(runners, repeats)
+  # Least squares over all cases: more robust than the difference of two medians.
+  a = np.array([[1.0, n, k - n] for k, n in cases])
+  (fixed, real, pad), *_ = np.linalg.lstsq(a, np.array([times[name(k, n)] for k, n in cases]), rcond=None)
+  full = times[name(k_max, k_max)]
+  md = "\n".join(
+    [
+      f"MLP {depth} x {width}, adam, float32, microbatches of {m} rows; `make_train_step(..., weight_fn=..., "
+      f"skip_empty=True)`, each K compiled once; median of {repeats} interleaved repeats. Per-microbatch costs "
+      "fitted (least squares) to t(K, n) = fixed + n real + (K - n) padding over all rows.",
+      "",
+      f"| step | ms / step | vs K={k_max} all real |",
+      "|---|---:|---:|",
+    ]
+    + [f"| {n} | {t * 1e3:.3f} | {t / full:.3f}x |" for n, t in times.items()]
+    + [
+      "",
+      f"Fitted: fixed {fixed * 1e3:.3f} ms per step, one real microbatch {real * 1e3:.3f} ms, one padding "
+      f"microbatch {pad * 1e3:.4f} ms = {pad / real:.1%} of a real one (target <= 5%).",
+    ]
+  )
+  return {
+    "title": "make_train_step: skipped padding microbatches",
+    "markdown": md,
+    "data": {
+      "width": width,
+      "depth": depth,
+      "microbatch_rows": m,
+      "k_max": k_max,
+      "seconds": times,
+      "fixed_seconds": float(fixed),
+      "real_microbatch_seconds": float(real),
+      "padding_microbatch_seconds": float(pad),
+      "padding_over_real": float(pad / real),
+    },
+  }
+
+
 def run(quick: bool = False) -> list[dict]:
-  return [_memory(quick), _time(quick), _all_reduces(quick)]
+  return [_memory(quick), _time(quick), _all_reduces(quick), _skip_empty(quick)]
