@@ -338,7 +338,8 @@ def microbatch(
 
       def add(accs):
         out = run(mb, i)
-        return [_update(a, o, w, i, r) for a, o, r in zip(accs, treedef.flatten_up_to(out), reds, strict=True)]
+        outs = treedef.flatten_up_to(out)  # type: ignore[attr-defined]  # jaxlib types PyTreeDef loosely
+        return [_update(a, o, w, i, r) for a, o, r in zip(accs, outs, reds, strict=True)]
 
       if skip_empty:
         # The sums travel through the cond, so a skipped microbatch writes nothing: no
@@ -399,7 +400,7 @@ def pad_microbatches(microbatches, num_microbatches: int, *, num_devices: int = 
   flat = []
   for j, mb in enumerate(microbatches):
     leaves, td = jax.tree.flatten(mb)
-    if td != treedef:
+    if td != treedef:  # type: ignore[operator]  # jaxlib types PyTreeDef loosely
       raise ValueError(f"microbatches[{j}] has structure {td}, microbatches[0] has {treedef}")
     leading_size(mb, f"microbatches[{j}]")
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(mb), leaves0, strict=True):
@@ -446,7 +447,7 @@ def _leaf_reductions(reductions, outs) -> list[str]:
     reds = ["mean"] * len(leaves)
   else:
     try:
-      subtrees = jax.tree.structure(reductions).flatten_up_to(outs)
+      subtrees = jax.tree.structure(reductions).flatten_up_to(outs)  # type: ignore[attr-defined]
     except (ValueError, TypeError) as e:
       raise ValueError(
           f"reductions={reductions!r} is not a tree prefix of fun's outputs (structure "

@@ -325,7 +325,7 @@ def make_train_step(
       if state_red is None:
         state_red = jax.tree.map(lambda x: "mean" if jnp.issubdtype(x.dtype, jnp.inexact) else "last", state)
     aux_red = "mean" if aux_reductions is None else aux_reductions
-    value_red = "mean"
+    value_red: Any = "mean"
     if has_state or has_aux:
       value_red = ("mean", (state_red, aux_red) if has_state and has_aux else state_red if has_state else aux_red)
     reductions = (value_red, "mean") + (("concat",) if grad_norms else ()) + (("mean", "sum") if noise_scale else ())
@@ -423,7 +423,7 @@ def _last_of_last_device(tree, reductions, axis, ran=None):
   if picked:
     sent = [leaves[i] for i in picked] + ([] if ran is None else [ran])
     got = lax.all_gather(parallel.to_varying(sent, axis), axis, to="invarying")
-    last = -1
+    last: Any = -1  # the last device, or (skip_empty) a traced index
     if ran is not None:
       flags = got.pop() > 0
       n = flags.shape[0]

@@ -480,6 +480,15 @@ def test_skip_empty_does_not_run_padding(problem):
   assert f._cache_size() == 1
   hlo = f.lower(params, batch).compile().as_text()
   assert _hlo.locate(hlo, "conditional") == {"loop": 1}
+  # K = 1: a loop of one, skipped too (all padding: outputs 0, total weight 0).
+  one = jax.jit(ja.microbatch(fun, 1, weight_fn=lambda b: jnp.sum(b["mask"]), skip_empty=True,
+                              reductions=("mean", "mean", "concat", "last"), return_total_weight=True))
+  calls.clear()
+  (loss, grads, rows, _), total = jax.block_until_ready(one(params, dict(batch, mask=np.zeros(k * m))))
+  assert not calls and float(total) == 0 and float(loss) == 0 and not np.asarray(rows).any()
+  (loss, grads, _, _), total = one(params, dict(batch, mask=np.ones(k * m)))
+  chex.assert_trees_all_close((loss, grads), jax.value_and_grad(mse_loss)(params, (batch["x"], batch["y"])),
+                              rtol=RTOL, atol=1e-15)
 
 
 def test_skip_empty_under_shard_map_and_pmap(problem):

@@ -693,6 +693,16 @@ def test_skip_empty_all_padding_and_bad_input(problem):
   assert not bool(metrics["applied"]) and float(metrics["total_weight"]) == 0 and float(metrics["loss"]) == 0
   for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p2, s2)), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The noise scale of the real microbatches: 3 of K_max = 4 equal a step of K = 3 with no padding.
+  noisy = [ja.make_train_step(padded_mse, opt, num_microbatches=kk, skip_empty=True, donate=False, noise_scale=True,
+                              weight_fn=lambda b: jnp.sum(b["mask"])) for kk in (4, 3)]
+  three, mask3 = pad_microbatches(real_microbatches(x, y, 3, 3), 3)
+  three["mask"] = mask3.astype(np.float64)
+  padded4, mask4 = pad_microbatches(real_microbatches(x, y, 3, 3), 4)
+  padded4["mask"] = mask4.astype(np.float64)
+  got = noisy[0](params, opt.init(params), padded4)[2]["noise_scale"]
+  chex.assert_trees_all_close(got, noisy[1](params, opt.init(params), three)[2]["noise_scale"], rtol=1e-12)
+  assert np.isfinite(got.b_simple)
   with pytest.raises(ValueError, match=r"skip_empty=True needs a weight_fn"):
     ja.make_train_step(padded_mse, opt, num_microbatches=4, skip_empty=True)
   with pytest.raises(TypeError, match=r"skip_empty=1 must be a bool"):
