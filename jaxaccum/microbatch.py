@@ -27,15 +27,15 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxaccum import _tree
-from jaxaccum import parallel
+from jaxaccum import _tree, parallel
 
 
 def _check_int_arg(value, name: str) -> int:
@@ -48,8 +48,11 @@ def _check_int_arg(value, name: str) -> int:
 def _normalize_argnums(batch_argnums) -> tuple[int, ...]:
   if isinstance(batch_argnums, numbers.Integral) and not isinstance(batch_argnums, (bool, np.bool_)):
     return (int(batch_argnums),)
-  if isinstance(batch_argnums, (tuple, list)) and batch_argnums and all(
-      isinstance(a, numbers.Integral) and not isinstance(a, (bool, np.bool_)) for a in batch_argnums):
+  if (
+    isinstance(batch_argnums, (tuple, list))
+    and batch_argnums
+    and all(isinstance(a, numbers.Integral) and not isinstance(a, (bool, np.bool_)) for a in batch_argnums)
+  ):
     return tuple(int(a) for a in batch_argnums)
   raise TypeError(f"{batch_argnums=} must be an int or a non-empty tuple of ints")
 
@@ -102,22 +105,24 @@ def check_binds(fun, name: str, args, kwargs, hint: str) -> None:
   try:
     sig.bind(*args, **kwargs)
   except TypeError as e:
-    raise TypeError(f"{name}{sig} cannot be called with {len(args)} positional argument(s)"
-                    f"{' and keywords ' + str(sorted(kwargs)) if kwargs else ''} ({e}). {hint}") from None
+    raise TypeError(
+      f"{name}{sig} cannot be called with {len(args)} positional argument(s)"
+      f"{' and keywords ' + str(sorted(kwargs)) if kwargs else ''} ({e}). {hint}"
+    ) from None
 
 
 def microbatch(
-    fun: Callable[..., Any],
-    num_microbatches: int,
-    *,
-    batch_argnums: int | tuple[int, ...] = 1,
-    weight_fn: Callable[[Any], Any] | None = None,
-    key_argnum: int | None = None,
-    axis_name: Any = None,
-    accumulator_dtype: Any = None,
-    reductions: Any = None,
-    return_total_weight: bool = False,
-    skip_empty: bool = False,
+  fun: Callable[..., Any],
+  num_microbatches: int,
+  *,
+  batch_argnums: int | tuple[int, ...] = 1,
+  weight_fn: Callable[[Any], Any] | None = None,
+  key_argnum: int | None = None,
+  axis_name: Any = None,
+  accumulator_dtype: Any = None,
+  reductions: Any = None,
+  return_total_weight: bool = False,
+  skip_empty: bool = False,
 ) -> Callable[..., Any]:
   r"""Runs `fun` over `num_microbatches` slices of the batch in a `lax.scan`; returns the weighted mean.
 
@@ -245,8 +250,10 @@ def microbatch(
   if not isinstance(skip_empty, bool):
     raise TypeError(f"{skip_empty=} must be a bool")
   if skip_empty and weight_fn is None:
-    raise ValueError(f"{skip_empty=} needs a weight_fn: a microbatch is empty when its weight is 0 "
-                     "(e.g. weight_fn=lambda b: b['mask'].sum())")
+    raise ValueError(
+      f"{skip_empty=} needs a weight_fn: a microbatch is empty when its weight is 0 "
+      "(e.g. weight_fn=lambda b: b['mask'].sum())"
+    )
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
@@ -257,17 +264,21 @@ def microbatch(
       (kidx,) = _resolve((key_argnum,), nargs, "key_argnum", key_argnum)
       if kidx in idx:
         raise ValueError(f"{key_argnum=} is also one of {batch_argnums=}")
-    check_binds(fun, "fun", args, kwargs,
-                "microbatch calls fun with the wrapped call's arguments, the batch argument(s) "
-                f"{batch_argnums=} split into microbatches; a function that closes over its batch "
-                "(def loss(params): ... batch ...) must take it as an argument: def loss(params, batch).")
+    check_binds(
+      fun,
+      "fun",
+      args,
+      kwargs,
+      "microbatch calls fun with the wrapped call's arguments, the batch argument(s) "
+      f"{batch_argnums=} split into microbatches; a function that closes over its batch "
+      "(def loss(params): ... batch ...) must take it as an argument: def loss(params, batch).",
+    )
     if axis_name is not None:
       parallel.check_axis_name(axis_name)
     batches = tuple(args[i] for i in idx)
     size = leading_size(batches if len(batches) > 1 else batches[0])
     if size % k:
-      raise ValueError(
-          f"the batch's leading size {size} is not divisible by num_microbatches={k}")
+      raise ValueError(f"the batch's leading size {size} is not divisible by num_microbatches={k}")
 
     def run(mb_batches, i):
       call_args = list(args)
@@ -285,8 +296,7 @@ def microbatch(
         w = jnp.asarray(weight_fn(mb_batches[0] if len(mb_batches) == 1 else mb_batches))
         if w.shape != ():
           raise ValueError(f"weight_fn must return a scalar, got shape {w.shape}")
-        if not (jnp.issubdtype(w.dtype, jnp.floating) or jnp.issubdtype(w.dtype, jnp.integer)
-                or w.dtype == jnp.bool_):
+        if not (jnp.issubdtype(w.dtype, jnp.floating) or jnp.issubdtype(w.dtype, jnp.integer) or w.dtype == jnp.bool_):
           raise TypeError(f"weight_fn must return a real number, got dtype {w.dtype}")
       return w
 
@@ -305,8 +315,9 @@ def microbatch(
         outs = [_single(o, r, total) for o, r in zip(leaves, reds, strict=True)]
         out = jax.tree.unflatten(treedef, outs)
         return (out, total) if return_total_weight else out
-      accs = [_update(_init(jax.typeof(o), r, 1, accumulator_dtype), o, w, 0, r)
-              for o, r in zip(leaves, reds, strict=True)]
+      accs = [
+        _update(_init(jax.typeof(o), r, 1, accumulator_dtype), o, w, 0, r) for o, r in zip(leaves, reds, strict=True)
+      ]
       out, total = _finish(accs, reds, w, _weight_ok(w), out, axis_name)
       return (out, total) if return_total_weight else out
 
@@ -322,8 +333,7 @@ def microbatch(
     first = take(0)
     closed, (out_shape, w_shape) = jax.make_jaxpr(lambda mb: call(mb, 0), return_shape=True)(first)
     if k > 1:
-      _check_depends_on_batch(closed.jaxpr, len(jax.tree.leaves(first)), len(jax.tree.leaves(out_shape)),
-                              batch_argnums)
+      _check_depends_on_batch(closed.jaxpr, len(jax.tree.leaves(first)), len(jax.tree.leaves(out_shape)), batch_argnums)
     shapes, treedef = jax.tree.flatten(out_shape)
     reds = _leaf_reductions(reductions, out_shape)
     wdtype = _wdtype(shapes, reds, accumulator_dtype)
@@ -407,9 +417,11 @@ def pad_microbatches(microbatches, num_microbatches: int, *, num_devices: int = 
       a, b = np.asarray(a), np.asarray(b)
       if a.shape != b.shape or a.dtype != b.dtype:
         where = jax.tree_util.keystr(path)
-        raise ValueError(f"microbatches[{j}]{where} has shape {a.shape} and dtype {a.dtype} where "
-                         f"microbatches[0]{where} has {b.shape} and {b.dtype}: every microbatch needs "
-                         "the same shapes and dtypes")
+        raise ValueError(
+          f"microbatches[{j}]{where} has shape {a.shape} and dtype {a.dtype} where "
+          f"microbatches[0]{where} has {b.shape} and {b.dtype}: every microbatch needs "
+          "the same shapes and dtypes"
+        )
     flat.append(leaves)
   out = []
   for col in zip(*flat, strict=True):
@@ -435,8 +447,9 @@ def _check_reductions(reductions) -> None:
   for path, r in jax.tree_util.tree_leaves_with_path(reductions, is_leaf=lambda x: x is None):
     if not (isinstance(r, str) and r in REDUCTIONS):
       raise ValueError(
-          f"reductions{jax.tree_util.keystr(path)}={r!r} is not a reduction: use one of "
-          f"{', '.join(repr(n) for n in REDUCTIONS)}")
+        f"reductions{jax.tree_util.keystr(path)}={r!r} is not a reduction: use one of "
+        f"{', '.join(repr(n) for n in REDUCTIONS)}"
+      )
 
 
 def _leaf_reductions(reductions, outs) -> list[str]:
@@ -450,24 +463,25 @@ def _leaf_reductions(reductions, outs) -> list[str]:
       subtrees = jax.tree.structure(reductions).flatten_up_to(outs)  # type: ignore[attr-defined]
     except (ValueError, TypeError) as e:
       raise ValueError(
-          f"reductions={reductions!r} is not a tree prefix of fun's outputs (structure "
-          f"{jax.tree.structure(outs)}): {e}") from None
-    reds = [r for r, sub in zip(jax.tree.leaves(reductions), subtrees, strict=True)
-            for _ in jax.tree.leaves(sub)]
+        f"reductions={reductions!r} is not a tree prefix of fun's outputs (structure {jax.tree.structure(outs)}): {e}"
+      ) from None
+    reds = [r for r, sub in zip(jax.tree.leaves(reductions), subtrees, strict=True) for _ in jax.tree.leaves(sub)]
   for path, leaf, r in zip(paths, leaves, reds, strict=True):
     dtype = leaf.dtype
     floating = jnp.issubdtype(dtype, jnp.inexact)
     if r == "mean" and not floating:
       raise TypeError(
-          f"fun's output{path} has dtype {dtype}: its weighted mean (the default reduction, \"mean\") "
-          "would be truncated. Name another reduction for it in reductions= (make_train_step: aux_reductions= "
-          "or state_reductions=): \"sum\" (a count), "
-          "\"last\" (a flag, a counter, non-float state) or \"concat\" (per-example values); or "
-          "return it as a float (e.g. count.astype(jnp.float32))")
+        f'fun\'s output{path} has dtype {dtype}: its weighted mean (the default reduction, "mean") '
+        "would be truncated. Name another reduction for it in reductions= (make_train_step: aux_reductions= "
+        'or state_reductions=): "sum" (a count), '
+        '"last" (a flag, a counter, non-float state) or "concat" (per-example values); or '
+        "return it as a float (e.g. count.astype(jnp.float32))"
+      )
     if r == "sum" and not (floating or (jnp.issubdtype(dtype, jnp.integer))):
       raise TypeError(
-          f"fun's output{path} has dtype {dtype}, which has no sum: use reductions \"last\" or \"concat\" "
-          "for it, or cast it to an integer or float")
+        f'fun\'s output{path} has dtype {dtype}, which has no sum: use reductions "last" or "concat" '
+        "for it, or cast it to an integer or float"
+      )
   return reds
 
 
@@ -533,10 +547,11 @@ def _check_depends_on_batch(jaxpr, n_batch: int, n_out: int, batch_argnums) -> N
       needed.update(v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal))
   if n_batch and n_out and not any(v in needed for v in jaxpr.invars[:n_batch]):
     raise ValueError(
-        f"fun's outputs do not depend on its batch argument(s) ({batch_argnums=}), so every "
-        "microbatch would compute the same thing. If fun closes over the batch (def loss(params): "
-        "... batch ...), take the batch as an argument instead: def loss(params, batch), and pass "
-        "it in the call; microbatch splits that argument.")
+      f"fun's outputs do not depend on its batch argument(s) ({batch_argnums=}), so every "
+      "microbatch would compute the same thing. If fun closes over the batch (def loss(params): "
+      "... batch ...), take the batch as an argument instead: def loss(params, batch), and pass "
+      "it in the call; microbatch splits that argument."
+    )
 
 
 def _weight_ok(w) -> jax.Array:
@@ -552,8 +567,9 @@ def _weighted(out, w, dtype):
 
 def _wdtype(leaves, reds, override) -> jnp.dtype:
   """The dtype weights are summed in: the widest accumulator of the averaged leaves (float32 at least)."""
-  return _tree.widest(_tree.accumulator_dtype(o.dtype, override)
-                      for o, r in zip(leaves, reds, strict=True) if r in ("mean", "sum"))
+  return _tree.widest(
+    _tree.accumulator_dtype(o.dtype, override) for o, r in zip(leaves, reds, strict=True) if r in ("mean", "sum")
+  )
 
 
 def _checked_total(wsum, ok):
@@ -561,11 +577,15 @@ def _checked_total(wsum, ok):
   total = jnp.where(ok, wsum, jnp.full((), jnp.nan, wsum.dtype))
   if _tree.is_concrete(total):
     if not bool(ok):
-      raise ValueError("weight_fn returned a negative or non-finite weight for a microbatch: weights "
-                       "must be finite and >= 0 (e.g. the number of real rows or tokens)")
+      raise ValueError(
+        "weight_fn returned a negative or non-finite weight for a microbatch: weights "
+        "must be finite and >= 0 (e.g. the number of real rows or tokens)"
+      )
     if float(total) == 0:
-      raise ValueError("every microbatch has weight 0 (weight_fn gave 0 for all of them: the batch is all "
-                       "padding?), so there is nothing to average")
+      raise ValueError(
+        "every microbatch has weight 0 (weight_fn gave 0 for all of them: the batch is all "
+        "padding?), so there is nothing to average"
+      )
   return total
 
 

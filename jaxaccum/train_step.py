@@ -28,7 +28,8 @@ full-batch variance by the variance of the microbatch means.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,14 +42,16 @@ from jaxaccum import noise as _noise
 from jaxaccum.microbatch import _check_reductions, _leaf_reductions, check_binds, leading_size, microbatch
 
 _CLOSURE_HINT = (
-    "loss_fn must take the batch as its second argument: loss_fn(params, batch) (and a key third, "
-    "loss_fn(params, batch, key), when the step is given one). A loss that closes over its batch, "
-    "as in `def loss(params): ... batch ...`, cannot be split into microbatches: add the batch argument.")
+  "loss_fn must take the batch as its second argument: loss_fn(params, batch) (and a key third, "
+  "loss_fn(params, batch, key), when the step is given one). A loss that closes over its batch, "
+  "as in `def loss(params): ... batch ...`, cannot be split into microbatches: add the batch argument."
+)
 _STATE_HINT = (
-    "With has_state=True, loss_fn must take the model state second and the batch third: "
-    "loss_fn(params, state, batch) (and a key fourth when the step is given one), returning "
-    "(loss, new_state), or (loss, (new_state, aux)) with has_aux. A loss that closes over its batch "
-    "cannot be split into microbatches: add the batch argument.")
+  "With has_state=True, loss_fn must take the model state second and the batch third: "
+  "loss_fn(params, state, batch) (and a key fourth when the step is given one), returning "
+  "(loss, new_state), or (loss, (new_state, aux)) with has_aux. A loss that closes over its batch "
+  "cannot be split into microbatches: add the batch argument."
+)
 
 
 class TrainStep:
@@ -75,10 +78,11 @@ class TrainStep:
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
           outs = ", ".join(n for n in self._arg_names if n not in ("batch", "key")) + ", metrics"
           raise ValueError(
-              f"{name}{jax.tree_util.keystr(path)} was deleted: it was donated to a previous call of this "
-              f"step (make_train_step(..., donate=True) gives the buffers of the inputs to the outputs). "
-              f"Use the step's outputs for the next call, rebind: {outs} = step({', '.join(self._arg_names[:-1])})"
-              ", or build the step with donate=False.")
+            f"{name}{jax.tree_util.keystr(path)} was deleted: it was donated to a previous call of this "
+            f"step (make_train_step(..., donate=True) gives the buffers of the inputs to the outputs). "
+            f"Use the step's outputs for the next call, rebind: {outs} = step({', '.join(self._arg_names[:-1])})"
+            ", or build the step with donate=False."
+          )
     return self._jitted(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
@@ -88,9 +92,26 @@ class TrainStep:
     return getattr(self._jitted, name)
 
 
-def _sharded_step(loss_fn, optimizer, *, num_microbatches, mesh, data_axis, has_aux, weight_fn, donate,
-                  aux_reductions, has_state, state_reductions, grad_norms, strategy, comm_dtype, fsdp_gather,
-                  noise_scale=False, skip_empty=False):
+def _sharded_step(
+  loss_fn,
+  optimizer,
+  *,
+  num_microbatches,
+  mesh,
+  data_axis,
+  has_aux,
+  weight_fn,
+  donate,
+  aux_reductions,
+  has_state,
+  state_reductions,
+  grad_norms,
+  strategy,
+  comm_dtype,
+  fsdp_gather,
+  noise_scale=False,
+  skip_empty=False,
+):
   """make_train_step for a sharded strategy (or ddp with a wire dtype): `jaxaccum.sharded` builds it."""
   from jaxaccum import sharded  # sharded imports only _tree and parallel: no cycle
 
@@ -98,37 +119,51 @@ def _sharded_step(loss_fn, optimizer, *, num_microbatches, mesh, data_axis, has_
     raise ValueError(f"{strategy=} must be one of {sharded.STRATEGIES}")
   if mesh is None:
     raise ValueError(f"{strategy=} (or comm_dtype/fsdp_gather) needs a mesh: make_train_step(..., mesh=...)")
-  for name, value in (("has_state", has_state), ("grad_norms", grad_norms), ("noise_scale", noise_scale),
-                      ("skip_empty", skip_empty)):
+  for name, value in (
+    ("has_state", has_state),
+    ("grad_norms", grad_norms),
+    ("noise_scale", noise_scale),
+    ("skip_empty", skip_empty),
+  ):
     if value is not False:
       raise ValueError(f"{name}={value!r} is not supported with {strategy=} yet (only with strategy='ddp')")
   for name, value in (("aux_reductions", aux_reductions), ("state_reductions", state_reductions)):
     if value is not None:
       raise ValueError(f"{name}={value!r} is not supported with {strategy=} yet (only with strategy='ddp')")
   return sharded.make_sharded_train_step(
-      loss_fn, optimizer, strategy=strategy, mesh=mesh, data_axis=data_axis, num_microbatches=num_microbatches,
-      has_aux=has_aux, weight_fn=weight_fn, donate=donate, comm_dtype=comm_dtype, fsdp_gather=fsdp_gather)
+    loss_fn,
+    optimizer,
+    strategy=strategy,
+    mesh=mesh,
+    data_axis=data_axis,
+    num_microbatches=num_microbatches,
+    has_aux=has_aux,
+    weight_fn=weight_fn,
+    donate=donate,
+    comm_dtype=comm_dtype,
+    fsdp_gather=fsdp_gather,
+  )
 
 
 def make_train_step(
-    loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation,
-    *,
-    num_microbatches: int = 1,
-    mesh: Mesh | None = None,
-    data_axis: str = "data",
-    has_aux: bool = False,
-    weight_fn: Callable[[Any], Any] | None = None,
-    donate: bool = True,
-    aux_reductions: Any = None,
-    has_state: bool = False,
-    state_reductions: Any = None,
-    grad_norms: bool = False,
-    strategy: str = "ddp",
-    comm_dtype: Any = None,
-    fsdp_gather: str = "per_microbatch",
-    noise_scale: bool = False,
-    skip_empty: bool = False,
+  loss_fn: Callable[..., Any],
+  optimizer: optax.GradientTransformation,
+  *,
+  num_microbatches: int = 1,
+  mesh: Mesh | None = None,
+  data_axis: str = "data",
+  has_aux: bool = False,
+  weight_fn: Callable[[Any], Any] | None = None,
+  donate: bool = True,
+  aux_reductions: Any = None,
+  has_state: bool = False,
+  state_reductions: Any = None,
+  grad_norms: bool = False,
+  strategy: str = "ddp",
+  comm_dtype: Any = None,
+  fsdp_gather: str = "per_microbatch",
+  noise_scale: bool = False,
+  skip_empty: bool = False,
 ):
   r"""Returns a jitted `step(params, opt_state, batch, key=None) -> (params, opt_state, metrics)`.
 
@@ -243,23 +278,45 @@ def make_train_step(
   if not callable(loss_fn):
     raise TypeError(f"loss_fn={loss_fn!r} must be callable")
   if strategy != "ddp" or comm_dtype is not None or fsdp_gather != "per_microbatch":
-    return _sharded_step(loss_fn, optimizer, num_microbatches=num_microbatches, mesh=mesh, data_axis=data_axis,
-                         has_aux=has_aux, weight_fn=weight_fn, donate=donate, aux_reductions=aux_reductions,
-                         has_state=has_state, state_reductions=state_reductions, grad_norms=grad_norms,
-                         strategy=strategy, comm_dtype=comm_dtype, fsdp_gather=fsdp_gather,
-                         noise_scale=noise_scale, skip_empty=skip_empty)
+    return _sharded_step(
+      loss_fn,
+      optimizer,
+      num_microbatches=num_microbatches,
+      mesh=mesh,
+      data_axis=data_axis,
+      has_aux=has_aux,
+      weight_fn=weight_fn,
+      donate=donate,
+      aux_reductions=aux_reductions,
+      has_state=has_state,
+      state_reductions=state_reductions,
+      grad_norms=grad_norms,
+      strategy=strategy,
+      comm_dtype=comm_dtype,
+      fsdp_gather=fsdp_gather,
+      noise_scale=noise_scale,
+      skip_empty=skip_empty,
+    )
   if not hasattr(optimizer, "update") or not hasattr(optimizer, "init"):
     raise TypeError(f"optimizer={optimizer!r} must be an optax GradientTransformation")
   k = _tree.check_positive_int(num_microbatches, "num_microbatches")
-  for name, value in (("has_aux", has_aux), ("donate", donate), ("has_state", has_state),
-                      ("grad_norms", grad_norms), ("noise_scale", noise_scale), ("skip_empty", skip_empty)):
+  for name, value in (
+    ("has_aux", has_aux),
+    ("donate", donate),
+    ("has_state", has_state),
+    ("grad_norms", grad_norms),
+    ("noise_scale", noise_scale),
+    ("skip_empty", skip_empty),
+  ):
     if not isinstance(value, bool):
       raise TypeError(f"{name}={value!r} must be a bool")
   if weight_fn is not None and not callable(weight_fn):
     raise TypeError(f"weight_fn={weight_fn!r} must be callable or None")
   if skip_empty and weight_fn is None:
-    raise ValueError(f"{skip_empty=} needs a weight_fn: a microbatch is empty when its weight is 0 "
-                     "(e.g. weight_fn=lambda b: b['mask'].sum())")
+    raise ValueError(
+      f"{skip_empty=} needs a weight_fn: a microbatch is empty when its weight is 0 "
+      "(e.g. weight_fn=lambda b: b['mask'].sum())"
+    )
   if aux_reductions is not None and not has_aux:
     raise ValueError(f"{aux_reductions=} needs has_aux=True (loss_fn returning (loss, aux))")
   if state_reductions is not None and not has_state:
@@ -303,9 +360,10 @@ def make_train_step(
         if "scalar-output" not in str(e) or has_aux or has_state:
           raise
         raise TypeError(
-            f"loss_fn returned more than a scalar loss ({e}). If it returns (loss, aux), pass "
-            "make_train_step(..., has_aux=True); if it returns (loss, new_model_state), has_state=True "
-            "(loss_fn(params, state, batch)).") from None
+          f"loss_fn returned more than a scalar loss ({e}). If it returns (loss, aux), pass "
+          "make_train_step(..., has_aux=True); if it returns (loss, new_model_state), has_state=True "
+          "(loss_fn(params, state, batch))."
+        ) from None
       if has_state:  # checked here, before the state's reductions are matched against it
         new_state = value[1][0] if has_aux else value[1]
         _tree.check_same_structure(new_state, state, "the state loss_fn returned", "the state passed to the step")
@@ -331,8 +389,16 @@ def make_train_step(
     reductions = (value_red, "mean") + (("concat",) if grad_norms else ()) + (("mean", "sum") if noise_scale else ())
     reductions += ("last",) if ran_flag else ()
     out, total = microbatch(
-        fun, k, batch_argnums=nbatch, weight_fn=weight_fn, key_argnum=None if key is None else nbatch + 1,
-        axis_name=axis, reductions=reductions, return_total_weight=True, skip_empty=skip_empty)(*args)
+      fun,
+      k,
+      batch_argnums=nbatch,
+      weight_fn=weight_fn,
+      key_argnum=None if key is None else nbatch + 1,
+      axis_name=axis,
+      reductions=reductions,
+      return_total_weight=True,
+      skip_empty=skip_empty,
+    )(*args)
     ran = None
     if ran_flag:
       ran, out = out[-1], out[:-1]
@@ -357,7 +423,8 @@ def make_train_step(
       return optax.apply_updates(params, updates), new_state, opt_state
 
     params, state, opt_state = parallel.cond(
-        applied, update, lambda ops: ops[:3], (params, state, opt_state, grads, new_state))
+      applied, update, lambda ops: ops[:3], (params, state, opt_state, grads, new_state)
+    )
     metrics = {"loss": loss}
     if has_aux:
       metrics["aux"] = aux
@@ -381,17 +448,21 @@ def make_train_step(
     shards = mesh.shape[data_axis]
     if size % (shards * k):
       raise ValueError(
-          f"the batch's leading size {size} is not divisible by {shards} devices on {data_axis=} "
-          f"times num_microbatches={k}")
+        f"the batch's leading size {size} is not divisible by {shards} devices on {data_axis=} "
+        f"times num_microbatches={k}"
+      )
     replicated, split = PartitionSpec(), PartitionSpec(data_axis)
     key_spec = None if key is None else replicated
     body = jax.shard_map(
-        lambda p, st, s, b, r: local_step(p, st, s, b, r), mesh=mesh,
-        in_specs=(replicated, replicated, replicated, split, key_spec),
-        out_specs=(replicated, replicated, replicated, replicated))
+      lambda p, st, s, b, r: local_step(p, st, s, b, r),
+      mesh=mesh,
+      in_specs=(replicated, replicated, replicated, split, key_spec),
+      out_specs=(replicated, replicated, replicated, replicated),
+    )
     return body(params, state, opt_state, batch, key)
 
   if has_state:
+
     def stateful_step(params, state, opt_state, batch, key=None):
       return step(params, state, opt_state, batch, key)
 

@@ -4,17 +4,17 @@ import math
 import re
 
 import chex
-import optax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from conftest import mlp_apply, mlp_init, mse_loss, regression_data
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum as ja
 from jaxaccum import _hlo
-from conftest import mlp_apply, mlp_init, mse_loss, regression_data
 from jaxaccum.microbatch import pad_microbatches
 
 RTOL = 1e-12
@@ -78,8 +78,12 @@ def test_several_batch_args_and_key(problem):
 
   out = ja.microbatch(fun, k, batch_argnums=(1, 2), key_argnum=-1)(params, x, y, key)
   xs, ys = np.asarray(x), np.asarray(y)
-  expected = np.mean([np.mean(xs[i::k]) * float(jax.random.uniform(jax.random.fold_in(key, i), ()))
-                      + np.mean(ys[i::k]) for i in range(k)])
+  expected = np.mean(
+    [
+      np.mean(xs[i::k]) * float(jax.random.uniform(jax.random.fold_in(key, i), ())) + np.mean(ys[i::k])
+      for i in range(k)
+    ]
+  )
   np.testing.assert_allclose(out, expected, rtol=RTOL)
 
 
@@ -107,8 +111,9 @@ def test_axis_name_shard_map_weighted(problem):
 
   def local(params, batch):
     params = lax.pcast(params, "data", to="varying")
-    return ja.microbatch(jax.value_and_grad(masked_loss), 3, weight_fn=lambda b: jnp.sum(b["mask"]),
-                         axis_name="data")(params, batch)
+    return ja.microbatch(jax.value_and_grad(masked_loss), 3, weight_fn=lambda b: jnp.sum(b["mask"]), axis_name="data")(
+      params, batch
+    )
 
   fun = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
   chex.assert_trees_all_close(fun(params, batch), expected, rtol=RTOL, atol=0)
@@ -121,8 +126,7 @@ def test_axis_name_pmap(problem):
   params, _, (x, y) = problem
   n = 8
   expected = jax.value_and_grad(mse_loss)(params, (x, y))
-  fun = jax.pmap(ja.microbatch(jax.value_and_grad(mse_loss), 5, axis_name="data"), axis_name="data",
-                 in_axes=(None, 0))
+  fun = jax.pmap(ja.microbatch(jax.value_and_grad(mse_loss), 5, axis_name="data"), axis_name="data", in_axes=(None, 0))
   out = fun(params, (x.reshape(n, -1, 3), y.reshape(n, -1, 2)))
   chex.assert_trees_all_close(jax.tree.map(lambda o: o[3], out), expected, rtol=RTOL, atol=0)
 
@@ -233,8 +237,13 @@ def test_total_weight_over_devices(problem):
 
   def local(params, batch):
     params = lax.pcast(params, "data", to="varying")
-    return ja.microbatch(jax.value_and_grad(masked_loss), 3, weight_fn=lambda b: jnp.sum(b["mask"]),
-                         axis_name="data", return_total_weight=True)(params, batch)
+    return ja.microbatch(
+      jax.value_and_grad(masked_loss),
+      3,
+      weight_fn=lambda b: jnp.sum(b["mask"]),
+      axis_name="data",
+      return_total_weight=True,
+    )(params, batch)
 
   fun = jax.jit(jax.shard_map(local, mesh=ja.data_mesh(), in_specs=(P(), P("data")), out_specs=P()))
   out, total = fun(params, batch)
@@ -306,8 +315,15 @@ def test_closure_over_the_batch_is_named(problem):
 
 # --------------------------------------------------------------------------- reductions (issue 13)
 
-RED = {"loss": "mean", "grads": "mean", "sse": "sum", "count": "sum", "pred": "concat", "gnorm": "concat",
-       "last": "last"}
+RED = {
+  "loss": "mean",
+  "grads": "mean",
+  "sse": "sum",
+  "count": "sum",
+  "pred": "concat",
+  "gnorm": "concat",
+  "last": "last",
+}
 
 
 def reduced_outputs(params, batch):
@@ -316,8 +332,15 @@ def reduced_outputs(params, batch):
   loss, grads = jax.value_and_grad(mse_loss)(params, batch)
   pred = mlp_apply(params, x)
   err = jnp.sum((pred - y) ** 2, axis=-1)
-  return {"loss": loss, "grads": grads, "sse": jnp.sum(err), "count": jnp.sum(err > 0.5).astype(jnp.int32),
-          "pred": pred, "gnorm": optax.tree.norm(grads), "last": x[:1, 0]}
+  return {
+    "loss": loss,
+    "grads": grads,
+    "sse": jnp.sum(err),
+    "count": jnp.sum(err > 0.5).astype(jnp.int32),
+    "pred": pred,
+    "gnorm": optax.tree.norm(grads),
+    "last": x[:1, 0],
+  }
 
 
 def reduced_reference(params, x, y, k, devices=1):
@@ -325,10 +348,11 @@ def reduced_reference(params, x, y, k, devices=1):
   x, y = np.asarray(x), np.asarray(y)
   full = jax.tree.map(np.asarray, reduced_outputs(params, (x, y)))
   rows = x.shape[0] // devices
-  blocks = [(x[p * rows:(p + 1) * rows], y[p * rows:(p + 1) * rows]) for p in range(devices)]
-  gnorms = [float(optax.tree.norm(jax.grad(mse_loss)(params, (bx[i::k], by[i::k]))))
-            for bx, by in blocks for i in range(k)]
-  lasts = np.concatenate([bx[k - 1::k][:1, 0] for bx, _ in blocks])
+  blocks = [(x[p * rows : (p + 1) * rows], y[p * rows : (p + 1) * rows]) for p in range(devices)]
+  gnorms = [
+    float(optax.tree.norm(jax.grad(mse_loss)(params, (bx[i::k], by[i::k])))) for bx, by in blocks for i in range(k)
+  ]
+  lasts = np.concatenate([bx[k - 1 :: k][:1, 0] for bx, _ in blocks])
   err = np.sum((full["pred"] - y) ** 2, axis=-1)
   return dict(full, sse=np.sum(err), count=np.int32(np.sum(err > 0.5)), gnorm=np.asarray(gnorms), last=lasts)
 
@@ -382,11 +406,15 @@ def test_concat_and_sum_under_pmap():
     return {"loss": mse_loss(p, b), "sse": jnp.sum((pred - b[1]) ** 2), "pred": pred}
 
   out = jax.pmap(ja.microbatch(fun, 4, reductions=red, axis_name="data"), axis_name="data", in_axes=(None, 0))(
-      params, (x.reshape(8, 8, 3), y.reshape(8, 8, 2)))
+    params, (x.reshape(8, 8, 3), y.reshape(8, 8, 2))
+  )
   pred = mlp_apply(params, x)
-  chex.assert_trees_all_close(jax.tree.map(lambda o: o[5], out),
-                              {"loss": mse_loss(params, (x, y)), "sse": jnp.sum((pred - y) ** 2), "pred": pred},
-                              rtol=RTOL, atol=1e-15)
+  chex.assert_trees_all_close(
+    jax.tree.map(lambda o: o[5], out),
+    {"loss": mse_loss(params, (x, y)), "sse": jnp.sum((pred - y) ** 2), "pred": pred},
+    rtol=RTOL,
+    atol=1e-15,
+  )
 
 
 def test_sum_skips_zero_weight_microbatches_concat_keeps_them():
@@ -394,11 +422,15 @@ def test_sum_skips_zero_weight_microbatches_concat_keeps_them():
   w = jnp.asarray([0.0, 1.0, 1.0, 1.0] * 4)  # microbatch 0 (rows 0, 4, 8, 12) weighs 0
 
   def fun(_, b):
-    return {"sum": jnp.sum(b["x"]) / jnp.sum(b["w"]) * 0 + jnp.sum(b["x"]), "nan": jnp.sum(b["x"]) / jnp.sum(b["w"]),
-            "rows": b["x"]}
+    return {
+      "sum": jnp.sum(b["x"]) / jnp.sum(b["w"]) * 0 + jnp.sum(b["x"]),
+      "nan": jnp.sum(b["x"]) / jnp.sum(b["w"]),
+      "rows": b["x"],
+    }
 
-  out = ja.microbatch(fun, 4, weight_fn=lambda b: jnp.sum(b["w"]) > 0,
-                      reductions={"sum": "sum", "nan": "sum", "rows": "concat"})(None, {"x": x, "w": w})
+  out = ja.microbatch(
+    fun, 4, weight_fn=lambda b: jnp.sum(b["w"]) > 0, reductions={"sum": "sum", "nan": "sum", "rows": "concat"}
+  )(None, {"x": x, "w": w})
   kept = np.asarray([r for r in range(16) if r % 4])
   np.testing.assert_array_equal(out["sum"], np.sum(kept * 1.0))  # NaN of microbatch 0 (0/0) left out
   assert np.isfinite(out["nan"])
@@ -444,8 +476,11 @@ def test_pad_microbatches_layout():
   assert mask.sum() == 4 * m and not batch["v"][~mask].any()
   with pytest.raises(ValueError, match=r"5 microbatches do not fit in num_devices=2 x num_microbatches=2 = 4"):
     pad_microbatches(mbs + mbs[:1], 2, num_devices=2)
-  with pytest.raises(ValueError, match=r"microbatches\[1\]\['t'\] has shape \(3,\) and dtype int64 where "
-                                       r"microbatches\[0\]\['t'\] has \(2,\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"microbatches\[1\]\['t'\] has shape \(3,\) and dtype int64 where "
+    r"microbatches\[0\]\['t'\] has \(2,\)",
+  ):
     pad_microbatches([mbs[0], {"v": np.ones((3, 2)), "t": np.arange(3)}], 2)
   with pytest.raises(ValueError, match="non-empty list"):
     pad_microbatches([], 2)
@@ -457,7 +492,7 @@ def test_skip_empty_does_not_run_padding(problem):
   """fun runs once per real microbatch (counted by a host callback); padding's NaN outputs never appear."""
   params, _, (x, y) = problem
   k, m = 4, 5
-  mbs = [{"x": np.asarray(x[j * m:(j + 1) * m]), "y": np.asarray(y[j * m:(j + 1) * m])} for j in range(4)]
+  mbs = [{"x": np.asarray(x[j * m : (j + 1) * m]), "y": np.asarray(y[j * m : (j + 1) * m])} for j in range(4)]
   calls = []
 
   def fun(p, b):
@@ -465,15 +500,18 @@ def test_skip_empty_does_not_run_padding(problem):
     loss, grads = jax.value_and_grad(masked_loss)(p, b)  # 0/0 = NaN on an all-padding microbatch
     return loss, grads, b["x"] / b["mask"][:, None], b["x"][0, 0]
 
-  f = jax.jit(ja.microbatch(fun, k, weight_fn=lambda b: jnp.sum(b["mask"]), skip_empty=True,
-                            reductions=("mean", "mean", "concat", "last")))
+  f = jax.jit(
+    ja.microbatch(
+      fun, k, weight_fn=lambda b: jnp.sum(b["mask"]), skip_empty=True, reductions=("mean", "mean", "concat", "last")
+    )
+  )
   for n in (1, 3, 4):
     batch, mask = pad_microbatches(mbs[:n], k)
     batch["mask"] = mask.astype(np.float64)
     calls.clear()
     loss, grads, rows, last = jax.block_until_ready(f(params, batch))
     assert len(calls) == n
-    expected = jax.value_and_grad(mse_loss)(params, (x[:n * m], y[:n * m]))
+    expected = jax.value_and_grad(mse_loss)(params, (x[: n * m], y[: n * m]))
     chex.assert_trees_all_close((loss, grads), expected, rtol=RTOL, atol=1e-15)
     np.testing.assert_array_equal(rows, np.where(mask[:, None], batch["x"], 0.0))  # zeros, not NaN
     assert float(last) == float(mbs[n - 1]["x"][0, 0])  # the last microbatch that ran
@@ -481,26 +519,36 @@ def test_skip_empty_does_not_run_padding(problem):
   hlo = f.lower(params, batch).compile().as_text()
   assert _hlo.locate(hlo, "conditional") == {"loop": 1}
   # K = 1: a loop of one, skipped too (all padding: outputs 0, total weight 0).
-  one = jax.jit(ja.microbatch(fun, 1, weight_fn=lambda b: jnp.sum(b["mask"]), skip_empty=True,
-                              reductions=("mean", "mean", "concat", "last"), return_total_weight=True))
+  one = jax.jit(
+    ja.microbatch(
+      fun,
+      1,
+      weight_fn=lambda b: jnp.sum(b["mask"]),
+      skip_empty=True,
+      reductions=("mean", "mean", "concat", "last"),
+      return_total_weight=True,
+    )
+  )
   calls.clear()
   (loss, grads, rows, _), total = jax.block_until_ready(one(params, dict(batch, mask=np.zeros(k * m))))
   assert not calls and float(total) == 0 and float(loss) == 0 and not np.asarray(rows).any()
   (loss, grads, _, _), total = one(params, dict(batch, mask=np.ones(k * m)))
-  chex.assert_trees_all_close((loss, grads), jax.value_and_grad(mse_loss)(params, (batch["x"], batch["y"])),
-                              rtol=RTOL, atol=1e-15)
+  chex.assert_trees_all_close(
+    (loss, grads), jax.value_and_grad(mse_loss)(params, (batch["x"], batch["y"])), rtol=RTOL, atol=1e-15
+  )
 
 
 def test_skip_empty_under_shard_map_and_pmap(problem):
   """Each device skips its own empty microbatches; one all-reduce after the loop, none inside."""
   params, _, (x, y) = problem
   k, m, n = 2, 3, 5  # devices 0-4 hold one real microbatch, devices 5-7 none
-  mbs = [{"x": np.asarray(x[j * m:(j + 1) * m]), "y": np.asarray(y[j * m:(j + 1) * m])} for j in range(n)]
+  mbs = [{"x": np.asarray(x[j * m : (j + 1) * m]), "y": np.asarray(y[j * m : (j + 1) * m])} for j in range(n)]
   batch, mask = pad_microbatches(mbs, k, num_devices=8)
   batch["mask"] = mask.astype(np.float64)
-  expected = jax.value_and_grad(mse_loss)(params, (x[:n * m], y[:n * m]))
-  wrap = lambda: ja.microbatch(jax.value_and_grad(masked_loss), k, weight_fn=lambda b: jnp.sum(b["mask"]),
-                               axis_name="data", skip_empty=True)
+  expected = jax.value_and_grad(mse_loss)(params, (x[: n * m], y[: n * m]))
+  wrap = lambda: ja.microbatch(
+    jax.value_and_grad(masked_loss), k, weight_fn=lambda b: jnp.sum(b["mask"]), axis_name="data", skip_empty=True
+  )
 
   def local(params, batch):
     return wrap()(lax.pcast(params, "data", to="varying"), batch)
@@ -510,7 +558,8 @@ def test_skip_empty_under_shard_map_and_pmap(problem):
   hlo = fun.lower(params, batch).compile().as_text()
   assert _hlo.locate(hlo, "all-reduce") == {"top": 1} and _hlo.locate(hlo, "conditional")["loop"] == 1
   out = jax.pmap(wrap(), axis_name="data", in_axes=(None, 0))(
-      params, jax.tree.map(lambda a: a.reshape((8, -1) + a.shape[1:]), batch))
+    params, jax.tree.map(lambda a: a.reshape((8, -1) + a.shape[1:]), batch)
+  )
   chex.assert_trees_all_close(jax.tree.map(lambda o: o[7], out), expected, rtol=RTOL, atol=1e-15)
 
 

@@ -2,17 +2,17 @@
 
 import chex
 import flax.linen as nn
-from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import mlp_apply, mlp_init, mse_loss, regression_data
+from flax import nnx
 from jax import lax
 
 import jaxaccum as ja
 from jaxaccum import _hlo
-from conftest import mlp_apply, mlp_init, mse_loss, regression_data
 from jaxaccum.microbatch import pad_microbatches
 
 RTOL = 1e-12
@@ -28,8 +28,7 @@ def plain_adam(loss_fn, params, batch, steps, lr=1e-2, b1=0.9, b2=0.999, eps=1e-
     losses.append(loss)
     m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, m, g)
     v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
-    params = jax.tree.map(
-        lambda p, m, v: p - lr * (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps), params, m, v)
+    params = jax.tree.map(lambda p, m, v: p - lr * (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps), params, m, v)
   return params, jnp.stack(losses)
 
 
@@ -73,10 +72,18 @@ def test_weighted_aux_metrics_on_mesh(problem):
   loss, grads = jax.value_and_grad(mse_loss)(params, (x[real], y[real]))
   mesh = ja.data_mesh()
   opt = optax.sgd(0.1)
-  step = ja.make_train_step(aux_masked_loss, opt, num_microbatches=3, mesh=mesh, has_aux=True,
-                            weight_fn=lambda b: jnp.sum(b["mask"]), donate=False)
-  new_params, _, metrics = step(ja.replicate(params, mesh), ja.replicate(opt.init(params), mesh),
-                                ja.shard_batch(batch, mesh))
+  step = ja.make_train_step(
+    aux_masked_loss,
+    opt,
+    num_microbatches=3,
+    mesh=mesh,
+    has_aux=True,
+    weight_fn=lambda b: jnp.sum(b["mask"]),
+    donate=False,
+  )
+  new_params, _, metrics = step(
+    ja.replicate(params, mesh), ja.replicate(opt.init(params), mesh), ja.shard_batch(batch, mesh)
+  )
   chex.assert_trees_all_close(new_params, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), rtol=RTOL)
   np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
   # aux "n" (real rows per microbatch) averaged with weights n: sum n^2 / sum n.
@@ -110,8 +117,11 @@ def test_key_per_device_and_microbatch(problem, devices):
   opt = optax.sgd(0.1)
   step = ja.make_train_step(loss_fn, opt, num_microbatches=k, mesh=mesh, has_aux=True, donate=False)
   _, _, metrics = step(params, opt.init(params), data, key)
-  draws = [float(jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, d), i), ()))
-           for d in range(devices or 1) for i in range(k)]
+  draws = [
+    float(jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, d), i), ()))
+    for d in range(devices or 1)
+    for i in range(k)
+  ]
   np.testing.assert_allclose(metrics["aux"], np.mean(draws), rtol=RTOL)
   np.testing.assert_allclose(metrics["loss"], mse_loss(params, data), rtol=RTOL)
 
@@ -141,6 +151,7 @@ def test_one_all_reduce_per_step_whatever_k():
     def body(acc, i):
       mb = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:])[:, i], batch)
       return jax.tree.map(jnp.add, acc, jax.grad(loss_for_hlo)(params, mb)), None
+
     grads, _ = lax.scan(body, jax.tree.map(jnp.zeros_like, params), jnp.arange(k))
     updates, opt_state = opt.update(jax.tree.map(lambda g: g / k, grads), opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -163,7 +174,11 @@ def test_tf_seed_trajectory_over_5_devices():
   mesh = ja.data_mesh(devices=jax.devices()[:5])
   opt = optax.sgd(lr)
   step = ja.make_train_step(mse_loss, opt, num_microbatches=2, mesh=mesh)
-  p, s, batch = ja.replicate(fresh(params), mesh), ja.replicate(fresh(opt.init(params)), mesh), ja.shard_batch(data, mesh)
+  p, s, batch = (
+    ja.replicate(fresh(params), mesh),
+    ja.replicate(fresh(opt.init(params)), mesh),
+    ja.shard_batch(data, mesh),
+  )
   for loss, p_expected in expected:
     p, s, metrics = step(p, s, batch)
     np.testing.assert_allclose(metrics["loss"], loss, rtol=RTOL)
@@ -217,8 +232,10 @@ class BNNet(nn.Module):
 def test_batchnorm_stats_through_train_step():
   """batch_stats come back averaged over the P*K microbatches: mean exact, variance short by var(means)."""
   model = BNNet()
-  x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (64, 3))) * np.linspace(0.5, 2.0, 64)[:, None] \
-      + np.linspace(-1.0, 1.0, 64)[:, None]  # rows drift, so microbatch means differ
+  x = (
+    np.asarray(jax.random.normal(jax.random.PRNGKey(0), (64, 3))) * np.linspace(0.5, 2.0, 64)[:, None]
+    + np.linspace(-1.0, 1.0, 64)[:, None]
+  )  # rows drift, so microbatch means differ
   y = np.sin(x[:, :1])
   variables = model.init(jax.random.PRNGKey(1), x[:2])
   old = variables["batch_stats"]["bn"]
@@ -231,8 +248,9 @@ def test_batchnorm_stats_through_train_step():
   mesh = ja.data_mesh(devices=jax.devices()[:devices])
   opt = optax.sgd(0.1)
   step = ja.make_train_step(loss_fn, opt, num_microbatches=k, mesh=mesh, has_aux=True, donate=False)
-  _, _, metrics = step(ja.replicate(variables, mesh), ja.replicate(opt.init(variables), mesh),
-                       ja.shard_batch((x, y), mesh))
+  _, _, metrics = step(
+    ja.replicate(variables, mesh), ja.replicate(opt.init(variables), mesh), ja.shard_batch((x, y), mesh)
+  )
   stats = metrics["aux"]["bn"]
 
   # Independent: pre-BN activations in numpy; groups are device p's local rows i::k.
@@ -248,8 +266,7 @@ def test_batchnorm_stats_through_train_step():
   np.testing.assert_allclose(group_vars.mean(axis=0), full_var - var_of_means, rtol=1e-12)
   assert np.all(var_of_means > 1e-3 * full_var)  # the gap is real, so the next check can fail
   np.testing.assert_allclose(stats["mean"], 0.9 * np.asarray(old["mean"]) + 0.1 * full_mean, rtol=1e-12)
-  np.testing.assert_allclose(stats["var"], 0.9 * np.asarray(old["var"]) + 0.1 * (full_var - var_of_means),
-                             rtol=1e-12)
+  np.testing.assert_allclose(stats["var"], 0.9 * np.asarray(old["var"]) + 0.1 * (full_var - var_of_means), rtol=1e-12)
 
 
 # --------------------------------------------------------------------------- issue 11
@@ -266,8 +283,9 @@ def test_all_padding_step_applies_nothing(problem, devices):
   params, _, (x, y) = problem
   opt = optax.adam(1e-2)
   mesh = None if devices is None else ja.data_mesh()
-  step = ja.make_train_step(masked_mse, opt, num_microbatches=3, mesh=mesh,
-                            weight_fn=lambda b: jnp.sum(b["mask"]), donate=False)
+  step = ja.make_train_step(
+    masked_mse, opt, num_microbatches=3, mesh=mesh, weight_fn=lambda b: jnp.sum(b["mask"]), donate=False
+  )
   put = (lambda t: t) if mesh is None else (lambda t: ja.replicate(t, mesh))
   shard = (lambda t: t) if mesh is None else (lambda t: ja.shard_batch(t, mesh))
   real = {"x": x, "y": y, "mask": np.ones(x.shape[0])}
@@ -334,6 +352,7 @@ def test_reusing_donated_params_on_a_mesh_is_an_error_not_a_segfault(tmp_path):
   import os
   import subprocess
   import sys
+
   script = tmp_path / "donated.py"
   script.write_text(_DONATED_ON_MESH.format(tests=os.path.dirname(__file__)))
   run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
@@ -368,8 +387,11 @@ def test_errors_name_the_users_values(problem):
 def groups_of(batch, devices, k):
   """Microbatch (p, i) = rows i::k of device p's contiguous block, in device-major order (a plain split)."""
   rows = jax.tree.leaves(batch)[0].shape[0] // devices
-  return [jax.tree.map(lambda a, p=p, i=i: np.asarray(a)[p * rows:(p + 1) * rows][i::k], batch)
-          for p in range(devices) for i in range(k)]
+  return [
+    jax.tree.map(lambda a, p=p, i=i: np.asarray(a)[p * rows : (p + 1) * rows][i::k], batch)
+    for p in range(devices)
+    for i in range(k)
+  ]
 
 
 def test_aux_reductions_and_grad_norms_on_mesh(problem):
@@ -383,9 +405,16 @@ def test_aux_reductions_and_grad_norms_on_mesh(problem):
     return jnp.mean(err), {"pred": pred, "big": jnp.sum(err > 0.5), "first_x": batch[0][0, 0], "err": jnp.mean(err)}
 
   mesh, k, opt = ja.data_mesh(), 2, optax.sgd(0.1)
-  step = ja.make_train_step(loss_fn, opt, num_microbatches=k, mesh=mesh, has_aux=True, donate=False,
-                            aux_reductions={"pred": "concat", "big": "sum", "first_x": "last", "err": "mean"},
-                            grad_norms=True)
+  step = ja.make_train_step(
+    loss_fn,
+    opt,
+    num_microbatches=k,
+    mesh=mesh,
+    has_aux=True,
+    donate=False,
+    aux_reductions={"pred": "concat", "big": "sum", "first_x": "last", "err": "mean"},
+    grad_norms=True,
+  )
   _, _, metrics = step(ja.replicate(params, mesh), ja.replicate(opt.init(params), mesh), ja.shard_batch((x, y), mesh))
   pred = mlp_apply(params, x)
   err = np.sum((np.asarray(pred) - np.asarray(y)) ** 2, axis=-1)
@@ -403,7 +432,8 @@ def test_grad_norms_without_mesh(problem):
   params, loss_fn, data = problem
   opt = optax.sgd(0.1)
   _, _, metrics = ja.make_train_step(loss_fn, opt, num_microbatches=4, grad_norms=True, donate=False)(
-      params, opt.init(params), data)
+    params, opt.init(params), data
+  )
   norms = [float(optax.tree.norm(jax.grad(mse_loss)(params, g))) for g in groups_of(data, 1, 4)]
   np.testing.assert_allclose(metrics["grad_norms"], norms, rtol=RTOL)
 
@@ -423,8 +453,10 @@ def plain_stateful_sgd(loss_fn, params, state, groups, steps, lr, reductions):
 
 def drifting_data(n=64, d=3):
   """Rows whose mean and scale drift, so every microbatch has its own BatchNorm statistics."""
-  x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (n, d))) * np.linspace(0.5, 2.0, n)[:, None] \
-      + np.linspace(-1.0, 1.0, n)[:, None]
+  x = (
+    np.asarray(jax.random.normal(jax.random.PRNGKey(0), (n, d))) * np.linspace(0.5, 2.0, n)[:, None]
+    + np.linspace(-1.0, 1.0, n)[:, None]
+  )
   return x, np.sin(x[:, :1])
 
 
@@ -440,8 +472,9 @@ def check_state_step(loss_fn, params, state, batch, reductions, devices, k, step
   for _ in range(steps):
     p, st, o, metrics = step(p, st, o, b)
     losses.append(metrics["loss"])
-  exp_p, exp_st, exp_losses = plain_stateful_sgd(loss_fn, params, state, groups_of(batch, devices or 1, k),
-                                                 steps, 0.1, reductions)
+  exp_p, exp_st, exp_losses = plain_stateful_sgd(
+    loss_fn, params, state, groups_of(batch, devices or 1, k), steps, 0.1, reductions
+  )
   chex.assert_trees_all_close(p, exp_p, rtol=RTOL, atol=1e-15)
   chex.assert_trees_all_close(st, exp_st, rtol=RTOL, atol=1e-15)
   np.testing.assert_allclose(np.stack(losses), exp_losses, rtol=RTOL)
@@ -460,8 +493,7 @@ def test_state_flax_linen_batchnorm(devices, k):
     return jnp.mean((pred - batch[1]) ** 2), updates["batch_stats"]
 
   stats = variables["batch_stats"]
-  new = check_state_step(loss_fn, variables["params"], stats, (x, y), jax.tree.map(lambda _: "mean", stats),
-                         devices, k)
+  new = check_state_step(loss_fn, variables["params"], stats, (x, y), jax.tree.map(lambda _: "mean", stats), devices, k)
   assert not np.allclose(new["bn"]["mean"], stats["bn"]["mean"])  # the statistics did move
 
 
@@ -488,8 +520,7 @@ def test_state_nnx_functional_api():
     return loss, nnx.as_pure(nnx.state(model, nnx.BatchStat))
 
   new = check_state_step(loss_fn, params, stats, (x, y), jax.tree.map(lambda _: "mean", stats), 4, 2)
-  assert not np.allclose(new["bn"]["mean"]["value"] if isinstance(new["bn"]["mean"], dict) else new["bn"]["mean"],
-                         0.0)
+  assert not np.allclose(new["bn"]["mean"]["value"] if isinstance(new["bn"]["mean"], dict) else new["bn"]["mean"], 0.0)
 
 
 @pytest.mark.parametrize("mode,devices", [("ema", None), ("batch", None)])
@@ -553,7 +584,10 @@ def test_state_bad_input(problem):
 
 @pytest.mark.parametrize("strategy,k", [("zero1", 3), ("fsdp", 1)])
 def test_strategy_option_equals_full_batch(strategy, k):
-  """make_train_step(strategy=...) with ja.shard_train_state: the full-batch adam step (tests/test_sharded.py has the grid)."""
+  """make_train_step(strategy=...) with ja.shard_train_state: the full-batch adam step.
+
+  tests/test_sharded.py has the grid.
+  """
   params = mlp_init(jax.random.PRNGKey(0), (3, 16, 8))
   data = regression_data(jax.random.PRNGKey(1), 48, d_out=8)
   expected_params, expected_losses = plain_adam(mse_loss, params, data, steps=2)
@@ -600,7 +634,7 @@ def padded_mse(params, batch):
 
 
 def real_microbatches(x, y, n, m):
-  return [{"x": np.asarray(x[j * m:(j + 1) * m]), "y": np.asarray(y[j * m:(j + 1) * m])} for j in range(n)]
+  return [{"x": np.asarray(x[j * m : (j + 1) * m]), "y": np.asarray(y[j * m : (j + 1) * m])} for j in range(n)]
 
 
 @pytest.mark.parametrize("devices", [None, 8])
@@ -616,8 +650,15 @@ def test_skip_empty_runs_n_real_microbatches_without_recompiling(problem, device
     traces.append(1)  # at trace time only: a recompile for another n would trace again
     return padded_mse(params, batch)
 
-  step = ja.make_train_step(loss_fn, opt, num_microbatches=k_max, mesh=mesh, skip_empty=True, grad_norms=True,
-                            weight_fn=lambda b: jnp.sum(b["mask"]))
+  step = ja.make_train_step(
+    loss_fn,
+    opt,
+    num_microbatches=k_max,
+    mesh=mesh,
+    skip_empty=True,
+    grad_norms=True,
+    weight_fn=lambda b: jnp.sum(b["mask"]),
+  )
   put = (lambda t: t) if mesh is None else (lambda t: ja.replicate(t, mesh))
   shard = (lambda t: t) if mesh is None else (lambda t: ja.shard_batch(t, mesh))
   # Per device: 1, 3 and K_max real microbatches; on 8 devices also 3 in all (devices 3-7 run none).
@@ -631,7 +672,7 @@ def test_skip_empty_runs_n_real_microbatches_without_recompiling(problem, device
       pp, s, metrics = step(pp, s, shard(batch))
     if n == counts[0]:
       traced = len(traces)
-    rows = (x[:n * m], y[:n * m])
+    rows = (x[: n * m], y[: n * m])
     expected_params, expected_losses = plain_adam(mse_loss, params, rows, steps=2)
     chex.assert_trees_all_close(pp, expected_params, rtol=RTOL, atol=1e-15)
     np.testing.assert_allclose(metrics["loss"], expected_losses[-1], rtol=RTOL)
@@ -648,21 +689,37 @@ def test_skip_empty_grad_norms_and_state_on_mesh(problem):
 
   def loss_fn(p, state, batch):
     loss = padded_mse(p, batch)
-    new_state = {"mean_x": jnp.sum(batch["mask"] * batch["x"][:, 0]) / jnp.sum(batch["mask"]),
-                 "first_x": batch["x"][0, 0], "calls": state["calls"] + 1}
+    new_state = {
+      "mean_x": jnp.sum(batch["mask"] * batch["x"][:, 0]) / jnp.sum(batch["mask"]),
+      "first_x": batch["x"][0, 0],
+      "calls": state["calls"] + 1,
+    }
     return loss, new_state
 
   state = {"mean_x": jnp.zeros(()), "first_x": jnp.zeros(()), "calls": jnp.zeros((), jnp.int32)}
   mesh, opt = ja.data_mesh(), optax.sgd(0.1)
-  step = ja.make_train_step(loss_fn, opt, num_microbatches=k_max, mesh=mesh, has_state=True, grad_norms=True,
-                            skip_empty=True, weight_fn=lambda b: jnp.sum(b["mask"]), donate=False,
-                            state_reductions={"mean_x": "mean", "first_x": "last", "calls": "last"})
+  step = ja.make_train_step(
+    loss_fn,
+    opt,
+    num_microbatches=k_max,
+    mesh=mesh,
+    has_state=True,
+    grad_norms=True,
+    skip_empty=True,
+    weight_fn=lambda b: jnp.sum(b["mask"]),
+    donate=False,
+    state_reductions={"mean_x": "mean", "first_x": "last", "calls": "last"},
+  )
   for n in (3, 11):
     mbs = real_microbatches(x, y, n, m)
     batch, mask = pad_microbatches(mbs, k_max, num_devices=devices)
     batch["mask"] = mask.astype(np.float64)
-    p1, st, _, metrics = step(ja.replicate(params, mesh), ja.replicate(state, mesh),
-                              ja.replicate(opt.init(params), mesh), ja.shard_batch(batch, mesh))
+    p1, st, _, metrics = step(
+      ja.replicate(params, mesh),
+      ja.replicate(state, mesh),
+      ja.replicate(opt.init(params), mesh),
+      ja.shard_batch(batch, mesh),
+    )
     grads = [jax.grad(mse_loss)(params, (mb["x"], mb["y"])) for mb in mbs]
     mean_grad = jax.tree.map(lambda *g: sum(g) / n, *grads)
     chex.assert_trees_all_close(p1, jax.tree.map(lambda a, g: a - 0.1 * g, params, mean_grad), rtol=RTOL, atol=1e-15)
@@ -671,10 +728,18 @@ def test_skip_empty_grad_norms_and_state_on_mesh(problem):
       norms[(j % devices) * k_max + j // devices] = float(optax.tree.norm(g))
     np.testing.assert_allclose(metrics["grad_norms"], norms, rtol=RTOL)
     last = max(range(n), key=lambda j: (j % devices, j // devices))  # device-major execution order
-    np.testing.assert_allclose(st["mean_x"], np.mean(x[:n * m, 0]), rtol=RTOL)
+    np.testing.assert_allclose(st["mean_x"], np.mean(x[: n * m, 0]), rtol=RTOL)
     assert float(st["first_x"]) == float(mbs[last]["x"][0, 0]) and int(st["calls"]) == 1
-  hlo = step.lower(ja.replicate(params, mesh), ja.replicate(state, mesh), ja.replicate(opt.init(params), mesh),
-                   ja.shard_batch(batch, mesh)).compile().as_text()
+  hlo = (
+    step.lower(
+      ja.replicate(params, mesh),
+      ja.replicate(state, mesh),
+      ja.replicate(opt.init(params), mesh),
+      ja.shard_batch(batch, mesh),
+    )
+    .compile()
+    .as_text()
+  )
   assert _hlo.locate(hlo, "conditional")["loop"] >= 1  # the skip is a branch inside the loop body
   for op in _hlo.COLLECTIVES:
     assert _hlo.locate(hlo, op)["loop"] == 0, op  # the cond is per device: no collective inside the loop
@@ -684,8 +749,9 @@ def test_skip_empty_grad_norms_and_state_on_mesh(problem):
 def test_skip_empty_all_padding_and_bad_input(problem):
   params, _, (x, y) = problem
   opt = optax.adam(1e-2)
-  step = ja.make_train_step(padded_mse, opt, num_microbatches=4, skip_empty=True, donate=False,
-                            weight_fn=lambda b: jnp.sum(b["mask"]))
+  step = ja.make_train_step(
+    padded_mse, opt, num_microbatches=4, skip_empty=True, donate=False, weight_fn=lambda b: jnp.sum(b["mask"])
+  )
   batch, mask = pad_microbatches(real_microbatches(x, y, 2, 3), 4)
   batch["mask"] = mask.astype(np.float64)
   p, s, _ = step(params, opt.init(params), batch)
@@ -694,8 +760,18 @@ def test_skip_empty_all_padding_and_bad_input(problem):
   for a, b in zip(jax.tree.leaves((p, s)), jax.tree.leaves((p2, s2)), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # The noise scale of the real microbatches: 3 of K_max = 4 equal a step of K = 3 with no padding.
-  noisy = [ja.make_train_step(padded_mse, opt, num_microbatches=kk, skip_empty=True, donate=False, noise_scale=True,
-                              weight_fn=lambda b: jnp.sum(b["mask"])) for kk in (4, 3)]
+  noisy = [
+    ja.make_train_step(
+      padded_mse,
+      opt,
+      num_microbatches=kk,
+      skip_empty=True,
+      donate=False,
+      noise_scale=True,
+      weight_fn=lambda b: jnp.sum(b["mask"]),
+    )
+    for kk in (4, 3)
+  ]
   three, mask3 = pad_microbatches(real_microbatches(x, y, 3, 3), 3)
   three["mask"] = mask3.astype(np.float64)
   padded4, mask4 = pad_microbatches(real_microbatches(x, y, 3, 3), 4)
@@ -708,5 +784,4 @@ def test_skip_empty_all_padding_and_bad_input(problem):
   with pytest.raises(TypeError, match=r"skip_empty=1 must be a bool"):
     ja.make_train_step(padded_mse, opt, skip_empty=1, weight_fn=lambda b: 1.0)
   with pytest.raises(ValueError, match=r"skip_empty=True is not supported with strategy='zero1'"):
-    ja.make_train_step(padded_mse, opt, mesh=ja.data_mesh(), strategy="zero1", skip_empty=True,
-                       weight_fn=lambda b: 1.0)
+    ja.make_train_step(padded_mse, opt, mesh=ja.data_mesh(), strategy="zero1", skip_empty=True, weight_fn=lambda b: 1.0)
