@@ -20,6 +20,11 @@ Outputs that are not means are combined per `reductions`: "sum" (counts),
 "concat" (per-example outputs, back in the batch's row order; a scalar per
 microbatch, such as its gradient norm, becomes a vector of K), "last" (flags,
 counters, non-float state).
+
+`skip_empty=True` runs `fun` under a `lax.cond` on the microbatch's weight,
+so microbatches of weight 0 (padding) cost next to nothing and one compiled
+function serves any number of real microbatches up to K; `pad_microbatches`
+lays n microbatches out that way.
 """
 
 from __future__ import annotations
