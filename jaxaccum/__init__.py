@@ -6,7 +6,7 @@ Public names only; every one lives in the module named after its concept.
 from jaxaccum import checkpoint, flax, schedules
 from jaxaccum.accumulate import AccumulateState, accumulate, has_updated
 from jaxaccum.lowcomm import diloco, local_sgd, stale
-from jaxaccum.microbatch import microbatch
+from jaxaccum.microbatch import microbatch, pad_microbatches
 from jaxaccum.noise import (
   AdaScaleState,
   NoiseScale,
@@ -28,6 +28,7 @@ __all__ = [
   "accumulate",
   "has_updated",
   "microbatch",
+  "pad_microbatches",
   "make_train_step",
   "plan_microbatches",
   "shard_train_state",
