@@ -242,7 +242,14 @@ def accumulate(
       real number, a concrete weight that is NaN, Inf or negative, or an
       `axis_name` that is not bound; `noise_scale_ema` not None and not a
       float in [0, 1) (NaN included), or `every_k=ja.every_k_from_noise_scale(...)`
-      without it.
+      without it, or with `every_k=1` and no `axis_name` (a window of one
+      microbatch on one device can never be measured).
+
+  A weight is checked in every dtype it is cast to (the accumulator's and
+  `acc_weight`'s): a token count that is finite as an int but Inf in a float16
+  accumulator is invalid, dropped and counted. With `skip_nonfinite`, what is
+  checked is the weighted gradient in the accumulator's dtype, so an overflow
+  of w g is dropped too.
   """
   inner = _tree.check_optimizer(inner, "inner")
   if noise_scale_ema is not None:
@@ -250,6 +257,12 @@ def accumulate(
   tracking = noise_scale_ema is not None
   ema_decay = 0.0 if noise_scale_ema is None else noise_scale_ema
   every_k = _check_every_k(every_k, noise_scale_ema)
+  if tracking and every_k == 1 and axis_name is None:
+    # A window of one microbatch on one device has no spread to measure: NaN forever.
+    raise ValueError(
+      f"{noise_scale_ema=} with every_k=1 and no axis_name can never measure the noise scale (it needs at "
+      "least 2 microbatches per window); use every_k >= 2, or axis_name= with several devices"
+    )
   if axis_name is not None:
     parallel.validate_axis_name(axis_name)
   if accumulator_dtype is not None:
@@ -352,11 +365,19 @@ def accumulate(
     # skip_nonfinite, a NaN/Inf gradient of weight > 0: dropped and counted.
     # `keep` is None where every microbatch counts by construction.
     keep = dropped = None
+    acc_dtypes = sorted({x.dtype for x in jax.tree.leaves(state.acc_grads)} | {state.acc_weight.dtype}, key=str)
     if weight is not None:
-      valid = jnp.isfinite(weight) & (weight >= 0)
+      # Checked in every dtype the weight is cast to: 7e4 is finite in int32 but Inf in a float16 accumulator.
+      valid = (weight >= 0) & jnp.all(jnp.stack([jnp.isfinite(weight.astype(d)) for d in acc_dtypes]))
       keep, dropped = valid & (weight > 0), jnp.logical_not(valid)
     if skip_nonfinite:
-      finite = _tree.all_finite(grads)
+      # What would be added, w g in the accumulator's dtype: an overflow of the product counts as non-finite.
+      if weight is None:
+        finite = _tree.all_finite(jax.tree.map(lambda acc, g: g.astype(acc.dtype), state.acc_grads, grads))
+      else:
+        finite = _tree.all_finite(
+          jax.tree.map(lambda acc, g: g.astype(acc.dtype) * weight.astype(acc.dtype), state.acc_grads, grads)
+        )
       bad_grads = jnp.logical_not(finite) if keep is None else keep & jnp.logical_not(finite)
       keep = finite if keep is None else keep & finite
       dropped = bad_grads if dropped is None else dropped | bad_grads

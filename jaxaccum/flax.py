@@ -31,8 +31,9 @@ infinite or negative traced weight, or under `skip_nonfinite=True` a
 non-finite gradient; counted in `num_skipped`) takes its statistics with it;
 one of weight 0 (padding only) adds exactly nothing, selected out rather than
 multiplied by 0, so NaN statistics from an empty microbatch cannot leak; and a
-window of total weight 0 leaves parameters, optimizer state, statistics and
-`step` as they were (counted in `num_empty_windows`).
+window of total weight 0 leaves parameters, `inner`'s optimizer state,
+statistics and `step` as they were (the window's own counters move on:
+`micro_step` resets and `num_empty_windows` counts it).
 
 Counters. `step` counts updates (for schedules and checkpoints);
 `microbatches_seen` counts every microbatch fed, for per-microbatch

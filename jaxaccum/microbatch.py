@@ -399,9 +399,12 @@ def pad_microbatches(microbatches, num_microbatches: int, *, num_devices: int = 
   Returns:
     `(batch, mask)`: `batch` has the microbatches' structure with leaves of
     P K m rows (numpy, zeros in padding rows); `mask` is a bool vector of P K m
-    rows, True on real rows. Use it as weight, e.g. put it in the batch and
-    pass `weight_fn=lambda b: b["mask"].sum()`; a batch that already carries
-    its own row mask gets zeros (weight 0) in the padding rows anyway.
+    rows, True on real rows. The step needs it as weight: put it in the
+    batch and pass `weight_fn=lambda b: b["mask"].sum()` (a batch that already
+    carries its own row mask gets zeros, weight 0, in the padding rows
+    anyway). Without a `weight_fn` every padding microbatch weighs 1 and its
+    masked-mean loss is 0/0: `make_train_step` then skips the whole step
+    (`metrics["applied"]` False) rather than apply a NaN.
   """
   k = _tree.check_positive_int(num_microbatches, "num_microbatches")
   p = _tree.check_positive_int(num_devices, "num_devices")

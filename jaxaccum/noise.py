@@ -351,7 +351,9 @@ def adascale(
   Returns:
     An `optax.GradientTransformationExtraArgs` whose `update` needs the keyword
     arguments `noise_scale` and `batch_weight`; its state is an
-    `AdaScaleState`. With S = 1 the updates are `inner`'s bit for bit.
+    `AdaScaleState`. With `scale=1` and no `learning_rate` the updates are
+    `inner`'s bit for bit (with `base_batch_size`, S is the window's weight
+    over it, generally not 1).
 
   Raises:
     ValueError/TypeError: not exactly one of `scale` and `base_batch_size`, a

@@ -328,6 +328,14 @@ def shard_train_state(params, optimizer, mesh: Mesh, *, strategy: str = "ddp", d
     returned arrays never share buffers with `params` (steps donate them).
   """
   optimizer = _tree.check_optimizer(optimizer, "optimizer")
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    # A whole training state (e.g. flax's TrainState, with its int step) is the common slip.
+    if not (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)):
+      raise TypeError(
+        f"params{jax.tree_util.keystr(path)} is {type(leaf).__name__} "
+        f"{getattr(leaf, 'dtype', '')}: shard_train_state takes the parameters alone (float arrays), e.g. "
+        "state.params of a Flax TrainState, not the whole state"
+      )
   plan = _make_plan(strategy, mesh, data_axis)
   layouts = _layouts(params, mesh, plan, placed=False)
   param_sh = jax.tree.map(lambda lay: NamedSharding(mesh, lay.param_spec), layouts, is_leaf=_is_leaf)
@@ -609,8 +617,10 @@ class _ShardedStep:
     )(params, batch, key)
 
     total = metrics.pop("weight")
-    # NaN (an invalid weight somewhere) compares False too.
-    ok = jnp.isfinite(total) & (total > 0)
+    # NaN (an invalid weight somewhere) compares False too. A non-finite mean gradient (a
+    # microbatch of weight > 0 whose loss was NaN) must not reach the parameters either: a
+    # scalar per leaf, reduced by the partitioner (no parameter-sized collective).
+    ok = jnp.isfinite(total) & (total > 0) & _tree.all_finite(grads)
     metrics.update(total_weight=total, applied=ok)
     # The optimizer on the globally shaped, data-sharded gradient, state and parameter slice.
     piece = jax.tree.map(lambda x, lay: _place(x, mesh, lay.opt_spec), params, layouts)

@@ -117,6 +117,8 @@ def _sharded_step(
 
   if not isinstance(strategy, str) or strategy not in sharded.STRATEGIES:
     raise ValueError(f"{strategy=} must be one of {sharded.STRATEGIES}")
+  if fsdp_gather is not None and strategy not in ("fsdp", "hsdp"):
+    raise ValueError(f"{fsdp_gather=} applies to strategy='fsdp' or 'hsdp' only, not {strategy=}")
   if mesh is None:
     raise ValueError(f"{strategy=} (or comm_dtype/fsdp_gather) needs a mesh: make_train_step(..., mesh=...)")
   for name, value in (
@@ -141,7 +143,7 @@ def _sharded_step(
     weight_fn=weight_fn,
     donate=donate,
     comm_dtype=comm_dtype,
-    fsdp_gather=fsdp_gather,
+    fsdp_gather="per_microbatch" if fsdp_gather is None else fsdp_gather,
   )
 
 
@@ -161,7 +163,7 @@ def make_train_step(
   grad_norms: bool = False,
   strategy: str = "ddp",
   comm_dtype: Any = None,
-  fsdp_gather: str = "per_microbatch",
+  fsdp_gather: str | None = None,
   noise_scale: bool = False,
   skip_empty: bool = False,
 ):
@@ -178,8 +180,11 @@ def make_train_step(
   A step with nothing to average (every weight 0: an all-padding batch) applies
   no update: `params`, `opt_state` (and `state`) come back bit-identical,
   `metrics["applied"]` is False and `metrics["total_weight"]` is 0 (NaN when a
-  weight was negative or non-finite: that step is skipped too). An empty batch
-  (0 rows) is a ValueError.
+  weight was negative or non-finite: that step is skipped too). So is a step
+  whose mean gradient holds a NaN or an Inf (e.g. a microbatch of padding only,
+  0/0, given weight 1 because there is no `weight_fn`): `applied` is False with a
+  positive `total_weight`, and nothing changes. An empty batch (0 rows) is a
+  ValueError.
 
   A varying number of microbatches (`skip_empty=True`, needs `weight_fn`): a
   microbatch of weight 0 is not run (no forward or backward pass, see
@@ -251,13 +256,16 @@ def make_train_step(
       `grad_norms`.
     comm_dtype: dtype of the gradient on the wire (e.g. `jnp.bfloat16`);
       accumulation stays in float32 or wider.
-    fsdp_gather: "fsdp"/"hsdp" only: "per_microbatch" (memory-lean) or "once"
-      (comm-lean: one parameter all-gather per step instead of K, at the cost
-      of one full parameter copy and one full accumulator per device).
+    fsdp_gather: "fsdp"/"hsdp" only: "per_microbatch" (memory-lean, the
+      default) or "once" (comm-lean: one parameter all-gather per step instead
+      of K, at the cost of one full parameter copy and one full accumulator per
+      device). Given with another strategy it is a ValueError.
     noise_scale: also return `metrics["noise_scale"]`, a `ja.NoiseScale` of
       this step's unbiased estimates of |G|^2 and tr(Sigma) (and their ratio
       B_simple) from its P K microbatches (see `jaxaccum.noise`; NaN when
-      fewer than 2 microbatches have weight > 0). Cost: one squared norm per
+      fewer than 2 microbatches have weight > 0), in the units of the weights:
+      examples with `weight_fn` returning row counts, microbatches without a
+      `weight_fn`. Cost: one squared norm per
       microbatch; two scalars join the gradient's all-reduce. One step's
       estimate is noisy: smooth it across steps with
       `ema = ja.noise_scale_smooth(ema, metrics["noise_scale"], decay)`
@@ -277,7 +285,7 @@ def make_train_step(
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn={loss_fn!r} must be callable")
-  if strategy != "ddp" or comm_dtype is not None or fsdp_gather != "per_microbatch":
+  if strategy != "ddp" or comm_dtype is not None or fsdp_gather is not None:
     return _sharded_step(
       loss_fn,
       optimizer,
@@ -414,8 +422,10 @@ def make_train_step(
       loss, aux = value
     if has_aux and axis is not None:
       aux = _last_of_last_device(aux, aux_red, axis, ran)
-    # NaN (an invalid weight) compares False too: no update from it either.
-    applied = total > 0
+    # NaN (an invalid weight) compares False too: no update from it either. Nor from a
+    # non-finite mean gradient (a microbatch of weight > 0 whose loss was NaN, e.g. padding
+    # without a weight_fn): the grads are all-reduced, so every device decides the same.
+    applied = (total > 0) & _tree.all_finite(grads)
 
     def update(ops):
       params, state, opt_state, grads, new_state = ops

@@ -976,3 +976,23 @@ def test_a_state_of_another_optimizer_says_which_was_expected():
     tx.update(params, ja.accumulate(optax.sgd(0.1), 2).init(params))
   with pytest.raises(ValueError, match=r"grads has leaves \['v'\] that .* lacks; grads lacks the leaves \['w'\]"):
     tx.update({"v": jnp.ones(2)}, tx.init(params))
+
+
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_a_weight_that_overflows_the_accumulator_dtype_is_dropped_and_counted(skip_nonfinite):
+  """Token counts of 7e4 are finite int32 but Inf in a float16 accumulator: dropped, never reaching the params."""
+  tx = ja.accumulate(optax.sgd(1.0), 2, accumulator_dtype=jnp.float16, skip_nonfinite=skip_nonfinite)
+  params = {"w": jnp.zeros(2, jnp.float32)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for w in (70000, 80000):
+    updates, state = update({"w": jnp.full(2, 0.5, jnp.float32)}, state, params, weight=jnp.int32(w))
+  np.testing.assert_array_equal(updates["w"], np.zeros(2))
+  assert (int(state.num_skipped), int(state.num_empty_windows), int(state.update_count)) == (2, 1, 0)
+  if skip_nonfinite:  # a valid weight whose product with the gradient overflows float32
+    tx = ja.accumulate(optax.sgd(1.0), 2, skip_nonfinite=True)
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)({"w": jnp.full(2, 1e10, jnp.float32)}, state, params, weight=1e30)
+    updates, state = jax.jit(tx.update)({"w": jnp.ones(2, jnp.float32)}, state, params, weight=2.0)
+    np.testing.assert_array_equal(updates["w"], -np.ones(2))  # only the finite microbatch: mean 1
+    assert int(state.num_skipped) == 1

@@ -570,6 +570,9 @@ def test_accumulate_bad_noise_input():
   tx = ja.accumulate(optax.sgd(0.1), 2)
   with pytest.raises(ValueError, match="noise_scale_ema"):
     noise.noise_scale(tx.init({"w": jnp.zeros(2)}))
+  # One microbatch per window on one device can never be measured: refused, not NaN forever.
+  with pytest.raises(ValueError, match=r"noise_scale_ema=0.9 with every_k=1 and no axis_name"):
+    ja.accumulate(optax.sgd(0.1), 1, noise_scale_ema=0.9)
 
 
 def test_accumulate_state_with_noise_tracking_can_be_donated():

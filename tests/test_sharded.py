@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import mlp_init, mse_loss, regression_data
+from conftest import mlp_apply, mlp_init, mse_loss, regression_data
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -261,3 +261,31 @@ def test_bad_input_names_the_value():
   step = sharded.make_sharded_train_step(mse_loss, opt, strategy="fsdp", mesh=mesh)
   with pytest.raises(ValueError, match=r"params\[0\]\['b'\] has sharding spec P\(\).*strategy='fsdp'"):
     step.lower(p, s, regression_data(jax.random.PRNGKey(1), ROWS))
+
+
+def test_a_whole_train_state_or_a_nonfinite_gradient_never_reaches_the_parameters():
+  """shard_train_state refuses a whole (flax) TrainState; a NaN mean gradient skips the step (applied False)."""
+  from flax.training import train_state
+
+  params = mlp_init(jax.random.PRNGKey(0), (3, 16, 8))
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  opt = optax.adam(1e-2)
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=opt)
+  with pytest.raises(TypeError, match=r"shard_train_state takes the parameters alone.*state.params"):
+    sharded.shard_train_state(state, opt, mesh, strategy="zero1")
+  p, s = sharded.shard_train_state(params, opt, mesh, strategy="zero1")
+  before = jax.tree.map(np.asarray, (p, s))
+
+  # A masked mean over an all-padding microbatch is 0/0; without a weight_fn it has weight 1.
+  def loss(params, batch):
+    x, y, mask = batch
+    err = jnp.sum((mlp_apply(params, x) - y) ** 2, axis=-1)
+    return jnp.sum(mask * err) / jnp.sum(mask)
+
+  x, y = regression_data(jax.random.PRNGKey(1), 32, d_out=8)
+  mask = jnp.ones(32).at[::2].set(0.0)  # microbatch 0 of each device (K=2: rows 0, 2, ...) is all padding
+  step = sharded.make_sharded_train_step(loss, opt, strategy="zero1", mesh=mesh, num_microbatches=2, donate=False)
+  batch = jax.device_put((x, y, mask), NamedSharding(mesh, P("data")))
+  new_p, new_s, metrics = step(p, s, batch)
+  assert not bool(metrics["applied"]) and float(metrics["total_weight"]) > 0
+  chex.assert_trees_all_equal(jax.tree.map(np.asarray, (new_p, new_s)), before)

@@ -785,3 +785,23 @@ def test_skip_empty_all_padding_and_bad_input(problem):
     ja.make_train_step(padded_mse, opt, skip_empty=1, weight_fn=lambda b: 1.0)
   with pytest.raises(ValueError, match=r"skip_empty=True is not supported with strategy='zero1'"):
     ja.make_train_step(padded_mse, opt, mesh=ja.data_mesh(), strategy="zero1", skip_empty=True, weight_fn=lambda b: 1.0)
+
+
+def test_a_nonfinite_mean_gradient_skips_the_step_and_fsdp_gather_needs_fsdp(problem):
+  """Padding without a weight_fn: a 0/0 microbatch of weight 1 makes the mean gradient NaN; nothing moves."""
+  params, _, (x, y) = problem
+
+  def loss(params, batch):
+    x, y, mask = batch
+    err = jnp.sum((mlp_apply(params, x) - y) ** 2, axis=-1)
+    return jnp.sum(mask * err) / jnp.sum(mask)
+
+  mask = jnp.ones(x.shape[0]).at[::4].set(0.0)  # K=4: microbatch 0 (rows 0, 4, 8, ...) is all padding
+  opt = optax.adam(1e-2)
+  step = ja.make_train_step(loss, opt, num_microbatches=4, donate=False)
+  state = opt.init(params)
+  new_params, new_state, metrics = step(params, state, (x, y, mask))
+  assert not bool(metrics["applied"]) and float(metrics["total_weight"]) == 4
+  chex.assert_trees_all_equal((new_params, new_state), (params, state))
+  with pytest.raises(ValueError, match=r"fsdp_gather='once' applies to strategy='fsdp' or 'hsdp' only"):
+    ja.make_train_step(loss, opt, mesh=ja.data_mesh(), strategy="zero1", fsdp_gather="once")
