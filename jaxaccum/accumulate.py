@@ -263,6 +263,13 @@ def accumulate(
       f"{noise_scale_ema=} with every_k=1 and no axis_name can never measure the noise scale (it needs at "
       "least 2 microbatches per window); use every_k >= 2, or axis_name= with several devices"
     )
+  if isinstance(every_k, noise.NoiseScaleEveryK) and axis_name is None and min(every_k.k_min, every_k.k_init) < 2:
+    # Once k reaches 1 on one device no window is measured again, so k stays 1 for good.
+    raise ValueError(
+      f"every_k=every_k_from_noise_scale(..., k_min={every_k.k_min}, k_init={every_k.k_init}) without "
+      "axis_name can settle at windows of 1 microbatch, which cannot be measured: use k_min >= 2 and k_init >= 2 "
+      "(or axis_name= with several devices)"
+    )
   if axis_name is not None:
     parallel.validate_axis_name(axis_name)
   if accumulator_dtype is not None:

@@ -573,6 +573,8 @@ def test_accumulate_bad_noise_input():
   # One microbatch per window on one device can never be measured: refused, not NaN forever.
   with pytest.raises(ValueError, match=r"noise_scale_ema=0.9 with every_k=1 and no axis_name"):
     ja.accumulate(optax.sgd(0.1), 1, noise_scale_ema=0.9)
+  with pytest.raises(ValueError, match=r"k_min=1, k_init=.*without axis_name can settle at windows of 1"):
+    ja.accumulate(optax.sgd(0.1), ja.every_k_from_noise_scale(8, k_max=4, k_min=1), noise_scale_ema=0.9)
 
 
 def test_accumulate_state_with_noise_tracking_can_be_donated():
