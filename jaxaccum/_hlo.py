@@ -59,6 +59,28 @@ def _instructions(hlo_text: str):
   return computations, entry
 
 
+def _sub_context(kind: str, context: str) -> str:
+  """Where a computation called as `kind` from `context` runs: "loop", "branch" or the caller's context."""
+  if kind in ("body", "condition"):
+    return "loop"
+  if kind in ("true_computation", "false_computation", "branch_computations"):
+    return context if context == "loop" else "branch"
+  return context
+
+
+def all_reduce_sizes(hlo_text: str) -> tuple[int, int]:
+  """(all-reduce instructions, total elements of their results) anywhere in the module (async pairs once)."""
+  count, elements = 0, 0
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if not m or _ALIASES.get(m.group(2), m.group(2)) != "all-reduce":
+      continue
+    count += 1
+    for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1)):
+      elements += int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+  return count, elements
+
+
 def parse(hlo_text: str):
   """Returns ({computation: [(opcode, called_computations)]}, entry_name)."""
   computations, entry = _instructions(hlo_text)
@@ -92,12 +114,7 @@ def locate(hlo_text: str, opcode: str = "all-reduce") -> collections.Counter:
       if op == opcode:
         where[context] += 1
       for kind, target in called:
-        if kind in ("body", "condition"):
-          sub = "loop"
-        elif kind in ("true_computation", "false_computation", "branch_computations"):
-          sub = context if context == "loop" else "branch"
-        else:
-          sub = context
+        sub = _sub_context(kind, context)
         visit(target, sub, seen)
 
   if entry is not None:
@@ -196,12 +213,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
         result_bytes = _array_bytes(result) if base == opcode else _array_bytes("{}[{}]".format(*out[-1])) if out else 0
         found.append((base, context, _groups(line), result_bytes))
       for kind, target in called:
-        if kind in ("body", "condition"):
-          sub = "loop"
-        elif kind in ("true_computation", "false_computation", "branch_computations"):
-          sub = context if context == "loop" else "branch"
-        else:
-          sub = context
+        sub = _sub_context(kind, context)
         visit(target, sub)
 
   if entry is not None:

@@ -44,3 +44,17 @@ def run_workers(script: str, num_processes: int, out, timeout_s: float) -> list[
       if p.poll() is None:
         p.kill()
         p.wait(timeout=10)
+
+
+def init_distributed(port: str, process_id: str, num_processes: int, local_devices: int, **timeouts):
+  """In a worker: simulated CPU devices, gloo collectives, float64, then `jax.distributed.initialize` on loopback."""
+  import jax  # noqa: PLC0415  (the worker configures jax before anything uses a device)
+
+  jax.config.update("jax_num_cpu_devices", local_devices)
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.config.update("jax_enable_x64", True)
+  timeouts.setdefault("initialization_timeout", 60)
+  jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes, process_id=int(process_id), **timeouts
+  )
+  return jax

@@ -53,16 +53,13 @@ def log(*what) -> None:
 
 
 def main(port: str, process_id: str, outdir: str, mode: str) -> None:
-  import jax  # noqa: PLC0415
+  from _multihost import init_distributed  # noqa: PLC0415  (tests/ is this script's directory)
 
-  log("jax imported")
-  jax.config.update("jax_num_cpu_devices", base.LOCAL_DEVICES)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.config.update("jax_enable_x64", True)
-  jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}",
-    num_processes=base.NUM_PROCESSES,
-    process_id=int(process_id),
+  jax = init_distributed(
+    port,
+    process_id,
+    base.NUM_PROCESSES,
+    base.LOCAL_DEVICES,
     initialization_timeout=INIT_S,
     heartbeat_timeout_seconds=HEARTBEAT_S,
     shutdown_timeout_seconds=SHUTDOWN_S,

@@ -33,17 +33,9 @@ def loss_fn(params, batch):
 
 
 def main(port: str, process_id: str, out: str) -> None:
-  import jax  # noqa: PLC0415
+  from _multihost import init_distributed  # noqa: PLC0415  (tests/ is this script's directory)
 
-  jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.config.update("jax_enable_x64", True)
-  jax.distributed.initialize(
-    coordinator_address=f"127.0.0.1:{port}",
-    num_processes=NUM_PROCESSES,
-    process_id=int(process_id),
-    initialization_timeout=60,
-  )
+  jax = init_distributed(port, process_id, NUM_PROCESSES, LOCAL_DEVICES)
   import optax  # noqa: PLC0415
 
   import jaxaccum as ja  # noqa: PLC0415

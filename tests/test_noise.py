@@ -1,7 +1,6 @@
 """ja.noise: the noise-scale estimator, AdaScale and the noise-driven window, against plain references."""
 
 import functools
-import re
 
 import chex
 import jax
@@ -471,19 +470,6 @@ def test_accumulate_noise_on_8_devices_counts_every_microbatch_of_every_device()
   assert abs(float(plain_ema(ref_tr, 0.9)) / D - 1) < 0.15
 
 
-def _all_reduces(hlo_text):
-  """(number of all-reduce instructions, total elements of their results) from compiled HLO."""
-  count, elements = 0, 0
-  for line in hlo_text.splitlines():
-    m = _hlo._INSTRUCTION.match(line)
-    if not m or _hlo._ALIASES.get(m.group(2), m.group(2)) != "all-reduce":
-      continue
-    count += 1
-    for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1)):
-      elements += int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-  return count, elements
-
-
 @pytest.mark.parametrize("comm_dtype", [None, jnp.float32], ids=["f64", "comm_f32"])
 def test_accumulate_noise_adds_no_collective(comm_dtype):
   params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros(8)}
@@ -495,8 +481,8 @@ def test_accumulate_noise_adds_no_collective(comm_dtype):
     return step.lower(g, tx.init(params)).compile().as_text()
 
   plain, tracked = hlo(None), hlo(0.9)
-  n_plain, e_plain = _all_reduces(plain)
-  n_tracked, e_tracked = _all_reduces(tracked)
+  n_plain, e_plain = _hlo.all_reduce_sizes(plain)
+  n_tracked, e_tracked = _hlo.all_reduce_sizes(tracked)
   assert n_tracked == n_plain, (n_plain, n_tracked)
   assert e_tracked == e_plain + 2, (e_plain, e_tracked)  # two scalars ride along: sum w|g|^2 and K
   assert _hlo.locate(tracked, "all-reduce")["top"] == 0
@@ -643,6 +629,6 @@ def test_make_train_step_noise_scale_adds_no_collective():
     step = ja.make_train_step(
       loss_fn, optax.sgd(0.1), num_microbatches=2, mesh=ja.data_mesh("data"), noise_scale=flag, donate=False
     )
-    counts.append(_all_reduces(step.lower(params, optax.sgd(0.1).init(params), x).compile().as_text()))
+    counts.append(_hlo.all_reduce_sizes(step.lower(params, optax.sgd(0.1).init(params), x).compile().as_text()))
   assert counts[1][0] == counts[0][0], counts
   assert counts[1][1] == counts[0][1] + 2, counts

@@ -32,6 +32,16 @@ def plain_adam(loss_fn, params, batch, steps, lr=1e-2, b1=0.9, b2=0.999, eps=1e-
   return params, jnp.stack(losses)
 
 
+def run_and_compare(step, p, s, batch, expected_params, expected_losses):
+  """Runs as many steps as there are expected losses; params and losses must equal the plain run."""
+  losses = []
+  for _ in range(len(expected_losses)):
+    p, s, metrics = step(p, s, batch)
+    losses.append(metrics["loss"])
+  chex.assert_trees_all_close(p, expected_params, rtol=RTOL, atol=1e-15)
+  chex.assert_trees_all_close(jnp.stack(losses), expected_losses, rtol=RTOL, atol=0)
+
+
 def fresh(tree):
   """Host copies: replicate() may alias its input, and the step donates."""
   return jax.tree.map(np.array, tree)
@@ -48,12 +58,7 @@ def test_adam_equals_full_batch(problem, devices, k):
   batch = data
   if mesh is not None:
     p, s, batch = ja.replicate(p, mesh), ja.replicate(s, mesh), ja.shard_batch(data, mesh)
-  losses = []
-  for _ in range(3):
-    p, s, metrics = step(p, s, batch)
-    losses.append(metrics["loss"])
-  chex.assert_trees_all_close(p, expected_params, rtol=RTOL, atol=1e-15)
-  chex.assert_trees_all_close(jnp.stack(losses), expected_losses, rtol=RTOL, atol=0)
+  run_and_compare(step, p, s, batch, expected_params, expected_losses)
 
 
 def aux_masked_loss(params, batch):
@@ -596,12 +601,7 @@ def test_strategy_option_equals_full_batch(strategy, k):
   p, s = ja.shard_train_state(fresh(params), opt, mesh, strategy=strategy)
   step = ja.make_train_step(mse_loss, opt, num_microbatches=k, mesh=mesh, strategy=strategy)
   batch = ja.shard_batch(data, mesh)
-  losses = []
-  for _ in range(2):
-    p, s, metrics = step(p, s, batch)
-    losses.append(metrics["loss"])
-  chex.assert_trees_all_close(p, expected_params, rtol=RTOL, atol=1e-15)
-  chex.assert_trees_all_close(jnp.stack(losses), expected_losses, rtol=RTOL, atol=0)
+  run_and_compare(step, p, s, batch, expected_params, expected_losses)
 
 
 def test_strategy_bad_input(problem):

@@ -8,11 +8,8 @@ their result sizes (target: the same count, two scalars more).
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxaccum import _hlo
@@ -21,25 +18,12 @@ from jaxaccum.bench.accumulate import _transform_runner
 from jaxaccum.bench.common import interleaved_medians, mlp_params
 
 
-def all_reduces(hlo_text: str) -> tuple[int, int]:
-  """(all-reduce instructions, total elements of their results) in compiled HLO (async pairs once)."""
-  count, elements = 0, 0
-  for line in hlo_text.splitlines():
-    m = _hlo._INSTRUCTION.match(line)
-    if not m or _hlo._ALIASES.get(m.group(2), m.group(2)) != "all-reduce":
-      continue
-    count += 1
-    for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1)):
-      elements += int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-  return count, elements
-
-
 def _collectives(params, k: int, noise_scale_ema):
   tx = accumulate(optax.adam(1e-3), k, axis_name="data", noise_scale_ema=noise_scale_ema)
   n = jax.device_count()
   step = jax.pmap(lambda g, s: tx.update(g, s, params, weight=8.0), axis_name="data", in_axes=(0, None))
   grads = jax.tree.map(lambda p: jnp.ones((n, *p.shape), p.dtype), params)
-  return all_reduces(step.lower(grads, tx.init(params)).compile().as_text())
+  return _hlo.all_reduce_sizes(step.lower(grads, tx.init(params)).compile().as_text())
 
 
 def run(quick: bool = False) -> list[dict]:

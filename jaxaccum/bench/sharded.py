@@ -40,6 +40,20 @@ def _device_bytes(tree, device):
   return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
 
 
+def _per_update(compiled, k: int, calls: int = 1) -> tuple[dict[str, int], int, int]:
+  """(collectives by opcode, instructions inside the loop, ring bytes per device) per update.
+
+  A collective inside the microbatch loop runs K times per call; the call runs `calls` times per update.
+  """
+  found = _hlo.collectives(compiled.as_text() or "", num_devices=8)
+  counts: dict[str, int] = {}
+  for c in found:
+    counts[c.opcode] = counts.get(c.opcode, 0) + calls * (k if c.where == "loop" else 1)
+  in_loop = sum(1 for c in found if c.where == "loop")
+  ring = calls * sum(c.ring_bytes * (k if c.where == "loop" else 1) for c in found)
+  return counts, in_loop, ring
+
+
 def sharded_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=16):
   """Rows of (case, K, params/state bytes per device, compiled temp bytes, collectives, ring bytes)."""
   devices = jax.devices()[:8]
@@ -67,12 +81,7 @@ def sharded_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=1
         _loss, opt, strategy=strategy, mesh=mesh, data_axis=axes, num_microbatches=k, **options
       )
       compiled = step.lower(p, s, batch).compile()
-      found = _hlo.collectives(compiled.as_text() or "", num_devices=8)
-      counts: dict[str, int] = {}
-      for c in found:
-        n = k if c.where == "loop" else 1
-        counts[c.opcode] = counts.get(c.opcode, 0) + n
-      ring = sum(c.ring_bytes * (k if c.where == "loop" else 1) for c in found)
+      counts, _, ring = _per_update(compiled, k)
       mem = compiled.memory_analysis()
       name = strategy + (f" ({options['fsdp_gather']})" if strategy == "fsdp" else "")
       out.append(
@@ -116,12 +125,7 @@ def naive_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=16)
     batch = (jnp.ones((rows, sizes[0]), jnp.float32), jnp.zeros((rows, sizes[-1]), jnp.float32))
     batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
     compiled = jax.jit(step).lower(p, s, batch).compile()
-    found = _hlo.collectives(compiled.as_text() or "", num_devices=8)
-    counts: dict = {}
-    for c in found:
-      counts[c.opcode] = counts.get(c.opcode, 0) + (k if c.where == "loop" else 1)
-    in_loop = sum(1 for c in found if c.where == "loop")
-    ring = sum(c.ring_bytes * (k if c.where == "loop" else 1) for c in found)
+    counts, in_loop, ring = _per_update(compiled, k)
     out.append(
       {
         "case": "jit + fsdp-sharded params + scan",
@@ -147,10 +151,7 @@ def naive_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=16)
     mb = (jnp.ones((micro_rows, sizes[0]), jnp.float32), jnp.zeros((micro_rows, sizes[-1]), jnp.float32))
     mb = jax.device_put(mb, NamedSharding(mesh, PartitionSpec("data")))
     compiled = jax.jit(micro_step).lower(p, ms, mb).compile()
-    found = _hlo.collectives(compiled.as_text() or "", num_devices=8)
-    counts = {}
-    for c in found:
-      counts[c.opcode] = counts.get(c.opcode, 0) + k * (k if c.where == "loop" else 1)
+    counts, _, ring = _per_update(compiled, k, calls=k)
     out.append(
       {
         "case": "optax.MultiSteps over fsdp-sharded state (one call per microbatch)",
@@ -159,7 +160,7 @@ def naive_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=16)
         "state_bytes": _device_bytes(ms, devices[0]),
         "collectives": counts,
         "in_loop": 0,
-        "ring_bytes": k * sum(c.ring_bytes for c in found),
+        "ring_bytes": ring,
       }
     )
   return out
