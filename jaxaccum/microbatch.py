@@ -95,16 +95,16 @@ def _check_num_real(n, k: int) -> None:
     raise ValueError(f"num_real_microbatches={int(n)} must be between 0 and num_microbatches={k}")
 
 
-def check_accumulator_dtype(accumulator_dtype) -> None:
+def check_accumulator_dtype(accumulator_dtype, name: str = "accumulator_dtype") -> None:
+  """None or a floating dtype (an integer running sum or wire would truncate every term: 1.72 comes back as 1.5)."""
   if accumulator_dtype is None:
     return
   try:
     acc_dtype = jnp.dtype(accumulator_dtype)
   except TypeError:
-    raise TypeError(f"{accumulator_dtype=} is not a dtype") from None
+    raise TypeError(f"{name}={accumulator_dtype!r} is not a dtype (e.g. jnp.float32)") from None
   if not jnp.issubdtype(acc_dtype, jnp.floating):
-    # An integer running sum would truncate every term: 1.72 comes back as 1.5.
-    raise ValueError(f"{accumulator_dtype=} must be a floating dtype (e.g. jnp.float32)")
+    raise ValueError(f"{name}={accumulator_dtype!r} must be a floating dtype (e.g. jnp.float32)")
 
 
 def check_skip_empty(skip_empty, weight_fn) -> None:
@@ -754,14 +754,16 @@ def _gather_rows(x, axis_name):
   return lax.all_gather(x, axis_name, axis=0, tiled=True)
 
 
-def finish(sums: Sums, axis_name, *, total=None):
+def finish(sums: Sums, axis_name, *, total=None, extra=None):
   """`Sums` -> (outputs, total weight): means divided by the total, sums as they are, concat buffers reshaped.
 
   With `axis_name`, one all-reduce of (every mean and sum carry, sum w, bad
   count) and one all-gather of the concat buffers; "last" stays per device.
   A total weight of 0 gives means of 0 (not 0/0); an invalid weight gives NaN.
   `total`: the global total weight when the caller reduced it already (then
-  only the carries are reduced).
+  only the carries are reduced). `extra`: more arrays summed over the axis in
+  the same all-reduce (make_train_step's replicated gradient leaves); given,
+  the result is `(outputs, total, extra summed)`.
   """
   like_leaves, treedef = jax.tree.flatten(sums.like)
   reds, wsum, ok = sums.reds, sums.wsum, sums.ok
@@ -774,9 +776,8 @@ def finish(sums: Sums, axis_name, *, total=None):
     # The validity flag travels as a count of bad microbatches in the same psum.
     bad = (~ok).astype(wsum.dtype)
     scalars = () if total is not None else (wsum, bad)
-    got, scalars = parallel.all_reduce_sum(
-      parallel.to_varying(([accs[i] for i in reduced], scalars), axis_name), axis_name
-    )
+    sent = parallel.to_varying(([accs[i] for i in reduced], scalars, extra), axis_name)
+    got, scalars, extra = parallel.all_reduce_sum(sent, axis_name)
     for i, a in zip(reduced, got, strict=True):
       accs[i] = a
     if total is None:
@@ -794,7 +795,25 @@ def finish(sums: Sums, axis_name, *, total=None):
       if axis_name is not None:
         a = _gather_rows(a, axis_name)
     outs.append(a.astype(o.dtype))
-  return jax.tree.unflatten(treedef, outs), total
+  out = jax.tree.unflatten(treedef, outs)
+  return (out, total) if extra is None else (out, total, extra)
+
+
+def check_prefix(reductions, tree, name: str) -> None:
+  """A ValueError naming `name` and the paths when `reductions` is not a tree prefix of `tree`."""
+  if reductions is None or isinstance(reductions, str):
+    return
+  try:
+    jax.tree.structure(reductions).flatten_up_to(tree)  # type: ignore[attr-defined]
+  except (ValueError, TypeError):
+    have = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    named = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(reductions)]
+    missing = [p for p in named if not any(h.startswith(p) for h in have)]
+    raise ValueError(
+      f"{name}={reductions!r} does not match the tree it names (a tree prefix of it is needed): "
+      f"{name} has {', '.join(missing) or 'a different structure'} where the tree's leaves are at "
+      f"{', '.join(have[:8]) or '(none)'}{' ...' if len(have) > 8 else ''}"
+    ) from None
 
 
 def _check_concat_rows(like, reds, rows: int) -> None:

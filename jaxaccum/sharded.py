@@ -51,14 +51,11 @@ shards; otherwise it is replicated over the data axis.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -169,34 +166,69 @@ def _same_mesh(a, b: Mesh) -> bool:
   )
 
 
-def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool) -> _Leaf:
-  """The layout of one parameter leaf, checked against what the user gave.
+def given_spec(x, mesh: Mesh):
+  """The entries (one per dimension) of the sharding `x` was given on `mesh`, or None when it is not known.
 
-  `placed`: the leaf must already be laid out as the strategy wants (the step);
-  otherwise (shard_train_state) a leaf may be anywhere, and only shardings over
-  the data axes that contradict the strategy are errors.
+  A concrete array tells its sharding; a traced one (inside an outer `jax.jit`)
+  tells it in its type over Explicit axes only. On an Auto mesh a tracer's
+  layout is the partitioner's business: None, and the step leaves the
+  dimensions no data axis takes unconstrained. An array on one device is
+  unsharded (known: nothing over the mesh yet).
   """
-  where = f"params{jax.tree_util.keystr(path)}"
-  shape = tuple(np.shape(x))
+  if isinstance(x, jax.core.Tracer):
+    aval = jax.typeof(x)
+    sharding = getattr(aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or not any(t == AxisType.Explicit for t in mesh.axis_types):
+      return None
+    return tuple(_entries(spec, aval.ndim))
   sharding = _sharding_of(x)
   if isinstance(sharding, NamedSharding):
     if not _same_mesh(sharding.mesh, mesh):
-      raise ValueError(f"{where} is placed on another mesh ({sharding.mesh}) than mesh={mesh}")
-    given = _entries(sharding.spec, len(shape))
-  elif sharding is None or not placed or len(sharding.device_set) == 1 and mesh.size == 1:
-    given = [None] * len(shape)
-  else:
+      return "other mesh"
+    return tuple(_entries(sharding.spec, len(np.shape(x))))
+  if sharding is None or len(sharding.device_set) == 1:
+    return (None,) * len(np.shape(x))
+  return "not named"
+
+
+def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool, given: Any = "read") -> _Leaf:
+  """The layout of one parameter leaf, checked against what the user gave.
+
+  `placed`: the leaf must already be laid out as the strategy wants over the
+  data axes (the step: a silent reshard would cost a collective); otherwise
+  (shard_train_state) a leaf may be anywhere, and only shardings over the data
+  axes that contradict the strategy are errors. `given`: the leaf's entries
+  (`given_spec`), None when unknown (dimensions not taken by a data axis are
+  then left unconstrained).
+  """
+  where = f"params{jax.tree_util.keystr(path)}"
+  shape = tuple(np.shape(x))
+  if given == "read":
+    given = given_spec(x, mesh)
+  if given == "other mesh":
     raise ValueError(
-      f"{where} has sharding {sharding}, not a NamedSharding on the mesh: place the parameters and "
-      "optimizer state with ja.shard_train_state(params, optimizer, mesh, strategy=...)"
+      f"{where} is placed on another mesh ({_sharding_of(x).mesh}) than mesh={mesh}: re-place the parameters "  # type: ignore[union-attr]
+      "and optimizer state on this mesh with ja.shard_train_state(params, optimizer, mesh, strategy=...) "
+      "(or jax.device_put(tree, NamedSharding(mesh, PartitionSpec())) for replicated ones)"
     )
+  if given == "not named":
+    if placed and plan.params_sharded:
+      raise ValueError(
+        f"{where} has sharding {_sharding_of(x)}, not a NamedSharding on the mesh: place the parameters and "
+        "optimizer state with ja.shard_train_state(params, optimizer, mesh, strategy=...)"
+      )
+    given = (None,) * len(shape)
+  unknown = given is None
+  if unknown:
+    given = (None,) * len(shape)
   data = set(plan.batch_axes)
   base = []
   for entry in given:
     names = _names(entry)
     if any(n in data for n in names) and len(names) > 1:
       raise ValueError(
-        f"{where} has sharding spec {_spec(given)}: one dimension split over a data axis and another "
+        f"{where} has sharding spec {_spec(list(given))}: one dimension split over a data axis and another "
         f"axis together, which strategy={plan.strategy!r} does not handle"
       )
     base.append(None if any(n in data for n in names) else entry)
@@ -204,24 +236,36 @@ def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool) -> _Leaf:
   opt, dim = _layout(shape, base, mesh, plan.shard_axis)
   param = opt if plan.params_sharded else list(base)
   # shard_train_state takes any layout that does not contradict the strategy over the data axes;
-  # a step takes exactly the layout shard_train_state gives (a silent reshard would cost a collective).
-  if (used_data or (placed and sharding is not None)) and given != param:
+  # a step takes exactly the layout shard_train_state gives over them.
+  placed_somewhere = placed and not unknown and (plan.params_sharded or used_data)
+  if (used_data or placed_somewhere) and list(given) != param:
     rule = (
       "its largest dimension not sharded otherwise and divisible by the data axis size, if any"
       if plan.params_sharded
       else "parameters stay replicated over the data axes"
     )
     raise ValueError(
-      f"{where} has sharding spec {_spec(given)}, which conflicts with strategy={plan.strategy!r} "
+      f"{where} has sharding spec {_spec(list(given))}, which conflicts with strategy={plan.strategy!r} "
       f"over data axes {plan.batch_axes}: it expects {_spec(param)} ({rule}). Place parameters and "
       "optimizer state with ja.shard_train_state(params, optimizer, mesh, strategy=...)."
     )
   other = any(e is not None for e in base)
+  if unknown:  # inside an outer jit on an Auto mesh: the partitioner keeps what it was given on other axes
+    opt = [e if e is not None or d == dim else PartitionSpec.UNCONSTRAINED for d, e in enumerate(opt)]
+    param = [
+      e if e is not None or (plan.params_sharded and d == dim) else PartitionSpec.UNCONSTRAINED
+      for d, e in enumerate(param)
+    ]
   return _Leaf(_spec(param), _spec(opt), dim, other)
 
 
-def _layouts(params, mesh, plan, *, placed):
-  return jax.tree_util.tree_map_with_path(lambda p, x: _leaf_layout(p, x, mesh, plan, placed=placed), params)
+def _layouts(params, mesh, plan, *, placed, given=None):
+  """Every leaf's `_Leaf`; `given`: a tree of `given_spec`s (default: read from the leaves)."""
+  if given is None:
+    return jax.tree_util.tree_map_with_path(lambda p, x: _leaf_layout(p, x, mesh, plan, placed=placed), params)
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  flat = [_leaf_layout(p, x, mesh, plan, placed=placed, given=g) for (p, x), g in zip(leaves, given, strict=True)]
+  return jax.tree.unflatten(jax.tree.structure(params), flat)
 
 
 def _is_leaf(x):
@@ -234,7 +278,15 @@ def _place(x, mesh: Mesh, spec: PartitionSpec):
   entries = _entries(spec, np.ndim(x))
 
   def keep(kind):
-    return _spec([tuple(n for n in _names(e) if types[n] == kind) or None for e in entries])
+    # UNCONSTRAINED (a layout not known inside an outer jit on an Auto mesh) stays so for the partitioner.
+    return _spec(
+      [
+        (e if kind == AxisType.Auto else None)
+        if e is PartitionSpec.UNCONSTRAINED
+        else tuple(n for n in _names(e) if types[n] == kind) or None
+        for e in entries
+      ]
+    )
 
   explicit = any(t == AxisType.Explicit for t in types.values())
   auto = any(t == AxisType.Auto for t in types.values())
@@ -257,39 +309,38 @@ def _manual_spec(spec: PartitionSpec, axes) -> PartitionSpec:
 # --------------------------------------------------------------------------- shard_train_state
 
 
-class _Base:
-  """A parameter's other-axes layout, as an opaque pytree leaf for optax.tree_map_params."""
-
-  def __init__(self, shape, base):
-    self.shape, self.base = shape, base
+def _path_key(path) -> tuple:
+  return tuple(jax.tree_util.keystr((k,)) for k in path)
 
 
-def _state_specs(optimizer, params_shape, layouts, mesh, plan):
-  """Specs of the optimizer state: parameter-shaped leaves follow their parameter, the rest the layout rule."""
-  state_shape = jax.eval_shape(optimizer.init, params_shape)
-  bases = jax.tree.map(
-    lambda p, lay: _Base(p.shape, [None if e == plan.shard_axis else e for e in _entries(lay.opt_spec, p.ndim)]),
-    params_shape,
-    layouts,
-    is_leaf=_is_leaf,
-  )
+def state_specs(state_shape, params_shape, layouts, mesh: Mesh, plan: _Plan):
+  """The sharding spec of every optimizer-state leaf, from shapes and the parameters' layouts.
 
-  def for_param(s, b):
-    base = b.base if tuple(s.shape) == tuple(b.shape) else [None] * s.ndim
-    return _spec(_layout(s.shape, base, mesh, plan.shard_axis)[0])
+  A state leaf that stands for a parameter (optax nests the parameter tree in
+  its states: `mu[1]['w']`, `inner_states['a'].inner_state[0].nu[1]['w']`) is
+  found by the longest parameter path that ends its own path with the same
+  shape, and follows that parameter's layout (its other-axes sharding, the
+  shard axis on the same dimension). Any other leaf (counts, factored or
+  reduced statistics, masked-out entries) gets the layout rule on its own
+  shape. No optax structure is assumed, so masked states (`optax.masked`,
+  `multi_transform` with `set_to_zero`), chains, factored states, muon and
+  `inject_hyperparams` all work.
+  """
+  by_path = {}
+  for (path, p), lay in zip(
+    jax.tree_util.tree_leaves_with_path(params_shape), jax.tree.leaves(layouts, is_leaf=_is_leaf), strict=True
+  ):
+    by_path[_path_key(path)] = (tuple(p.shape), lay)
 
-  def for_other(s):
-    return _spec(_layout(s.shape, [None] * s.ndim, mesh, plan.shard_axis)[0])
+  def spec(path, s):
+    key = _path_key(path)
+    for n in range(len(key), 0, -1):
+      hit = by_path.get(key[-n:])
+      if hit is not None and hit[0] == tuple(s.shape):
+        return hit[1].opt_spec
+    return _spec(_layout(s.shape, [None] * len(s.shape), mesh, plan.shard_axis)[0])
 
-  specs = optax.tree_map_params(
-    optimizer,
-    for_param,
-    state_shape,
-    bases,
-    transform_non_params=for_other,
-    is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
-  )
-  return state_shape, specs
+  return jax.tree_util.tree_map_with_path(spec, state_shape)
 
 
 def _put(x, sharding):
@@ -341,8 +392,8 @@ def shard_train_state(params, optimizer, mesh: Mesh, *, strategy: str = "ddp", d
   param_sh = jax.tree.map(lambda lay: NamedSharding(mesh, lay.param_spec), layouts, is_leaf=_is_leaf)
   opt_specs = jax.tree.map(lambda lay: lay.opt_spec, layouts, is_leaf=_is_leaf)
   params_shape = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _tree.dtype_of(x)), params)
-  _, state_specs = _state_specs(optimizer, params_shape, layouts, mesh, plan)
-  state_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+  specs = state_specs(jax.eval_shape(optimizer.init, params_shape), params_shape, layouts, mesh, plan)
+  state_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
   placed = jax.tree.map(_put, params, param_sh)
 
   def init(p):
@@ -350,9 +401,7 @@ def shard_train_state(params, optimizer, mesh: Mesh, *, strategy: str = "ddp", d
     p = jax.tree.map(jnp.copy, p)
     piece = jax.tree.map(lambda x, s: _place(x, mesh, s), p, opt_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     state = optimizer.init(piece)
-    state = jax.tree.map(
-      lambda x, s: _place(x, mesh, s), state, state_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
-    )
+    state = jax.tree.map(lambda x, s: _place(x, mesh, s), state, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     return p, state
 
   return jax.jit(init, out_shardings=(param_sh, state_sh))(placed)
@@ -448,340 +497,3 @@ def _all_gather(xs, leaves, axis, size, to):
       out[j] = jnp.moveaxis(piece, 0, dim)
       offset += flat.size
   return out
-
-
-# --------------------------------------------------------------------------- the step
-
-
-def make_sharded_train_step(
-  loss_fn: Callable[..., Any],
-  optimizer: optax.GradientTransformation,
-  *,
-  strategy: str,
-  mesh: Mesh,
-  data_axis: Any = "data",
-  num_microbatches: int = 1,
-  has_aux: bool = False,
-  weight_fn: Callable[[Any], Any] | None = None,
-  donate: bool = True,
-  comm_dtype: Any = None,
-  fsdp_gather: str = "per_microbatch",
-):
-  r"""Returns `step(params, opt_state, batch, key=None) -> (params, opt_state, metrics)` for `strategy`.
-
-  The step computes the weighted mean gradient over the K microbatches of each
-  of the P devices of the data axes,
-
-  .. math:: g = \frac{\sum_{p,i} w_{p,i}\, \nabla L(\theta; b_{p,i})}{\sum_{p,i} w_{p,i}},
-
-  and applies `optimizer` once, laid out as `strategy` says (see the module
-  docstring): the result equals a single-device step on the whole batch.
-
-  Args:
-    loss_fn: `loss_fn(params, batch[, key]) -> loss` or `(loss, aux)`; a mean
-      over the rows of `batch`.
-    optimizer: any optax transformation (global-norm ones included).
-    strategy: "ddp", "zero1", "fsdp" or "hsdp".
-    mesh: the mesh; `params` and `opt_state` come from
-      `ja.shard_train_state(..., strategy=strategy, data_axis=data_axis)` on it.
-    data_axis: the data axis; for hsdp `(replica_axis, shard_axis)`. The batch
-      is split over all data axes (its leading size divisible by their product
-      times K).
-    num_microbatches: K per device per step.
-    has_aux, weight_fn: as `ja.make_train_step`.
-    donate: donate `params` and `opt_state` to the outputs.
-    comm_dtype: dtype of the gradient on the wire (reduce-scatters, ddp's
-      all-reduce, hsdp's cross-replica all-reduce, and the all-reduce of the
-      leaves too small to shard), e.g. `jnp.bfloat16`; accumulation stays in
-      float32 or wider, the optimizer sees the accumulator's dtype; the weight
-      and loss sums stay wide. With fsdp_gather="per_microbatch" each
-      microbatch's gradient is rounded to it once before it is accumulated.
-      Parameter all-gathers always move the parameters' own dtype.
-    fsdp_gather: fsdp/hsdp only: "per_microbatch" (memory-lean: gather and
-      reduce-scatter per microbatch) or "once" (comm-lean: one gather and one
-      reduce-scatter per step, costing one full parameter copy and one full
-      accumulator per device).
-
-  Returns:
-    A step with `.lower(params, opt_state, batch[, key])`. `metrics` holds
-    `"loss"` (and `"aux"` with `has_aux`: weighted means over microbatches
-    and devices), `"total_weight"` (the sum of all weights; P K by default)
-    and `"applied"`, as `ja.make_train_step`'s. A step whose total weight is 0
-    (an all-padding batch: loss 0) or NaN (some weight negative or not finite)
-    leaves `params` and `opt_state` unchanged bit for bit. A `key` reaches
-    `loss_fn` as `fold_in(fold_in(key, d), i)` for microbatch i of device d
-    (the device's position in the batch's row order).
-  """
-  if not callable(loss_fn):
-    raise TypeError(f"loss_fn={loss_fn!r} must be callable")
-  optimizer = _tree.check_optimizer(optimizer, "optimizer")
-  plan = _make_plan(strategy, mesh, data_axis)
-  k = _tree.check_positive_int(num_microbatches, "num_microbatches")
-  if not isinstance(has_aux, bool):
-    raise TypeError(f"{has_aux=} must be a bool")
-  if not isinstance(donate, bool):
-    raise TypeError(f"{donate=} must be a bool")
-  if weight_fn is not None and not callable(weight_fn):
-    raise TypeError(f"weight_fn={weight_fn!r} must be callable or None")
-  if comm_dtype is not None:
-    comm_dtype = jnp.dtype(comm_dtype)
-    if not jnp.issubdtype(comm_dtype, jnp.floating):
-      raise ValueError(f"{comm_dtype=} must be a floating dtype (an integer wire dtype truncates)")
-  if fsdp_gather not in FSDP_GATHERS:
-    raise ValueError(f"{fsdp_gather=} is not one of {FSDP_GATHERS}")
-  return _ShardedStep(
-    loss_fn,
-    optimizer,
-    plan,
-    mesh,
-    k,
-    has_aux,
-    weight_fn,
-    donate,
-    comm_dtype,
-    lean=plan.params_sharded and fsdp_gather == "per_microbatch",
-  )
-
-
-class _ShardedStep:
-  """The step: reads the arguments' layouts, then calls a jitted function cached per layout."""
-
-  def __init__(self, loss_fn, optimizer, plan, mesh, k, has_aux, weight_fn, donate, comm_dtype, lean):
-    self.loss_fn, self.optimizer, self.plan, self.mesh, self.k = loss_fn, optimizer, plan, mesh, k
-    self.has_aux, self.weight_fn, self.donate, self.comm_dtype, self.lean = has_aux, weight_fn, donate, comm_dtype, lean
-    self._cache: dict = {}
-
-  def _jitted(self, params, opt_state):
-    layouts = _layouts(params, self.mesh, self.plan, placed=True)
-    flat, treedef = jax.tree.flatten(layouts, is_leaf=_is_leaf)
-    state_sh = jax.tree.map(lambda x: _sharding_of(x) or NamedSharding(self.mesh, PartitionSpec()), opt_state)
-    for path, sh in jax.tree_util.tree_leaves_with_path(state_sh):
-      if not isinstance(sh, NamedSharding) or not _same_mesh(sh.mesh, self.mesh):
-        raise ValueError(
-          f"opt_state{jax.tree_util.keystr(path)} has sharding {sh}, not on the mesh: create it with "
-          "ja.shard_train_state(params, optimizer, mesh, strategy=...)"
-        )
-    key = (treedef, tuple(flat), jax.tree.structure(state_sh), tuple(jax.tree.leaves(state_sh)))
-    fn = self._cache.get(key)
-    if fn is None:
-      param_sh = jax.tree.map(lambda lay: NamedSharding(self.mesh, lay.param_spec), layouts, is_leaf=_is_leaf)
-      fn = jax.jit(
-        functools.partial(self._step, layouts, state_sh),
-        donate_argnums=(0, 1) if self.donate else (),
-        out_shardings=(param_sh, state_sh, None),
-      )
-      self._cache[key] = fn
-    return fn
-
-  def __call__(self, params, opt_state, batch, key=None):
-    # A donated (deleted) buffer reaching XLA on a multi-device mesh segfaults (jax 0.10): refuse it here.
-    for name, tree in (("params", params), ("opt_state", opt_state), ("batch", batch), ("key", key)):
-      for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
-          raise ValueError(
-            f"{name}{jax.tree_util.keystr(path)} was deleted: it was donated to a previous call of this step "
-            "(donate=True gives the buffers of params and opt_state to the outputs). Use the step's outputs "
-            "for the next call, rebind: params, opt_state, metrics = step(params, opt_state, batch), or build "
-            "the step with donate=False."
-          )
-    return self._jitted(params, opt_state)(params, opt_state, batch, key)
-
-  def lower(self, params, opt_state, batch, key=None):
-    return self._jitted(params, opt_state).lower(params, opt_state, batch, key)
-
-  # ------------------------------------------------------------------------- traced
-
-  def _step(self, layouts, state_sh, params, opt_state, batch, key):
-    plan, mesh = self.plan, self.mesh
-    shards = int(np.prod([mesh.shape[a] for a in plan.batch_axes]))
-    for path, x in jax.tree_util.tree_leaves_with_path(batch):
-      if jnp.ndim(x) == 0:
-        raise ValueError(f"batch{jax.tree_util.keystr(path)} is a scalar; every batch leaf needs a leading batch axis")
-      if jnp.shape(x)[0] % (shards * self.k):
-        raise ValueError(
-          f"the batch's leading size {jnp.shape(x)[0]} is not divisible by {shards} devices on "
-          f"data axes {plan.batch_axes} times num_microbatches={self.k}"
-        )
-    manual = set(plan.batch_axes)
-    batch_axes = plan.batch_axes[0] if len(plan.batch_axes) == 1 else plan.batch_axes
-    param_in = jax.tree.map(lambda lay: _manual_spec(lay.param_spec, manual), layouts, is_leaf=_is_leaf)
-    grad_out = jax.tree.map(lambda lay: _manual_spec(lay.opt_spec, manual), layouts, is_leaf=_is_leaf)
-    key_spec = None if key is None else PartitionSpec()
-    grads_body = functools.partial(self._grads, layouts)
-    grads, metrics = jax.shard_map(
-      grads_body,
-      mesh=mesh,
-      axis_names=manual,
-      in_specs=(param_in, PartitionSpec(batch_axes), key_spec),
-      out_specs=(grad_out, PartitionSpec()),
-    )(params, batch, key)
-
-    total = metrics.pop("weight")
-    # NaN (an invalid weight somewhere) compares False too. A non-finite mean gradient (a
-    # microbatch of weight > 0 whose loss was NaN) must not reach the parameters either: a
-    # scalar per leaf, reduced by the partitioner (no parameter-sized collective).
-    ok = jnp.isfinite(total) & (total > 0) & _tree.all_finite(grads)
-    metrics.update(total_weight=total, applied=ok)
-    # The optimizer on the globally shaped, data-sharded gradient, state and parameter slice.
-    piece = jax.tree.map(lambda x, lay: _place(x, mesh, lay.opt_spec), params, layouts)
-    updates, new_state = self.optimizer.update(grads, opt_state, piece)
-    new_piece = optax.apply_updates(piece, updates)
-    # Where the step has no weight, nothing moves (inside jit nothing can raise).
-    new_piece = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_piece, piece)
-    new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, opt_state)
-    new_state = jax.tree.map(lambda x, sh: _place(x, mesh, sh.spec), new_state, state_sh)
-    if plan.shard_axis is not None and not plan.params_sharded:
-      new_params = self._gather_params(layouts, new_piece)
-    else:
-      new_params = jax.tree.map(lambda x, lay: _place(x, mesh, lay.param_spec), new_piece, layouts)
-    return new_params, new_state, metrics
-
-  def _gather_params(self, layouts, pieces):
-    """zero1: the one all-gather that rebuilds the replicated parameters from their shards."""
-    plan, mesh = self.plan, self.mesh
-    manual = set(plan.batch_axes)
-    flat_l, treedef = jax.tree.flatten(layouts, is_leaf=_is_leaf)
-    axis, size = plan.shard_axis, mesh.shape[plan.shard_axis]
-
-    def body(*xs):
-      idx = [j for j, lay in enumerate(flat_l) if lay.dim is not None]
-      full = _all_gather([xs[j] for j in idx], [flat_l[j] for j in idx], axis, size, to="invarying")
-      out = list(xs)
-      for j, f in zip(idx, full, strict=True):
-        out[j] = f
-      return tuple(out)
-
-    out = jax.shard_map(
-      body,
-      mesh=mesh,
-      axis_names=manual,
-      in_specs=tuple(_manual_spec(lay.opt_spec, manual) for lay in flat_l),
-      out_specs=tuple(_manual_spec(lay.param_spec, manual) for lay in flat_l),
-    )(*jax.tree.leaves(pieces))
-    return jax.tree.unflatten(treedef, out)
-
-  def _grads(self, layouts, params, batch, key):
-    """Inside the shard_map: (sharded weighted mean gradient, metrics). See the module docstring."""
-    plan, k = self.plan, self.k
-    axes = plan.batch_axes
-    flat_l, treedef = jax.tree.flatten(layouts, is_leaf=_is_leaf)
-    sharded_idx = [j for j, lay in enumerate(flat_l) if lay.dim is not None]
-    axis = plan.shard_axis
-    size = self.mesh.shape[axis] if axis is not None else 1
-    wire = self.comm_dtype
-
-    def gather(p):
-      xs = jax.tree.leaves(p)
-      if not plan.params_sharded or not sharded_idx:
-        return p
-      full = _all_gather([xs[j] for j in sharded_idx], [flat_l[j] for j in sharded_idx], axis, size, to="varying")
-      xs = list(xs)
-      for j, f in zip(sharded_idx, full, strict=True):
-        xs[j] = f
-      return jax.tree.unflatten(treedef, xs)
-
-    def scatter(acc):
-      """Reduce-scatter the data-sharded leaves of a full-size accumulator (replicated ones stay)."""
-      xs = list(acc)
-      if axis is None or not sharded_idx:
-        return xs
-      blocks = _reduce_scatter([xs[j] for j in sharded_idx], [flat_l[j] for j in sharded_idx], axis, size, wire)
-      for j, b in zip(sharded_idx, blocks, strict=True):
-        xs[j] = b
-      return xs
-
-    if key is not None:
-      key = jax.random.fold_in(key, lax.axis_index(axes if len(axes) > 1 else axes[0]))
-    grad_fn = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
-    full_params = gather(params) if not self.lean else None
-    # The dtype weights are summed in (float32 at least, float64 with float64 parameters).
-    wdtype = _tree.widest([_tree.accumulator_dtype(x.dtype) for x in jax.tree.leaves(params)])
-
-    def one(mb, i):
-      """Microbatch i: (weighted gradient leaves, local or scattered; w; w * value)."""
-      if full_params is not None:
-        p = full_params
-      else:
-        # Tie the shards to the loop index, so that XLA cannot hoist the gather out of
-        # the loop (it would, as loop-invariant code) and keep a full copy across it.
-        p, _ = lax.optimization_barrier((params, i))
-        p = gather(p)
-      p = jax.tree.map(lambda x: _vary(x, axes), p)
-      args = (p, mb) if key is None else (p, mb, jax.random.fold_in(key, i))
-      value, g = grad_fn(*args)
-      w = jnp.ones((), jnp.float32) if self.weight_fn is None else jnp.asarray(self.weight_fn(mb))
-      if w.shape != ():
-        raise ValueError(f"weight_fn must return a scalar, got shape {w.shape}")
-      w = _vary(w, axes)
-      # A negative or non-finite weight makes the total NaN: the step is skipped (as
-      # make_train_step does), so no wrongly weighted gradient reaches the parameters.
-      w_total = jnp.where(jnp.isfinite(w) & (w >= 0), w.astype(wdtype), jnp.full((), jnp.nan, wdtype))
-
-      def weigh(x):
-        dtype = _tree.accumulator_dtype(x.dtype)
-        # Exactly 0 where w == 0: an all-padding microbatch (NaN loss) adds nothing.
-        return jnp.where(w == 0, jnp.zeros((), dtype), x.astype(dtype) * w.astype(dtype))
-
-      g = [weigh(x) for x in jax.tree.leaves(g)]
-      if self.lean:
-        g = scatter(g)
-      value = jax.tree.map(lambda v: _vary(weigh(v), axes), value)
-      return g, w_total, value
-
-    size_b = jnp.shape(jax.tree.leaves(batch)[0])[0]
-    if k == 1:
-      acc, wsum, vsum = one(batch, 0)
-    else:
-      views = jax.tree.map(lambda x: jnp.reshape(x, (size_b // k, k) + jnp.shape(x)[1:]), batch)
-
-      def take(i):
-        return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), views)
-
-      shapes = jax.eval_shape(lambda: one(take(0), 0))
-      # With Explicit axes the zeros carry the gradients' sharding type (e.g. over "model").
-      zeros = jax.tree.map(lambda s: _vary(jnp.zeros(s.shape, s.dtype, out_sharding=_typed(s)), axes), shapes)
-
-      def body(carry, i):
-        g, w, v = one(take(i), i)
-        acc, wsum, vsum = carry
-        acc = [a + b for a, b in zip(acc, g, strict=True)]
-        wsum = wsum + w
-        vsum = jax.tree.map(jnp.add, vsum, v)
-        return (acc, wsum, vsum), None
-
-      (acc, wsum, vsum), _ = lax.scan(body, zeros, jnp.arange(k))
-    if not self.lean:
-      acc = scatter(acc)
-
-    # The small sums (scalars and leaves replicated over the shard axis) and the sharded
-    # gradient blocks; hsdp all-reduces across replicas once, everything in one instruction.
-    # Gradient leaves go on the wire in comm_dtype; the weight and loss sums stay wide.
-    small_idx = [j for j in range(len(acc)) if j not in sharded_idx or axis is None]
-    on_wire = lambda xs: [x.astype(wire) if wire is not None else x for x in xs]
-    small = (on_wire([acc[j] for j in small_idx]), wsum, vsum)
-    blocks = [acc[j] for j in sharded_idx] if axis is not None else []
-    if plan.replica_axis is None:
-      small = lax.psum(small, axes if len(axes) > 1 else axes[0])
-    else:
-      small = lax.psum(small, axis)
-      small, sent = lax.psum((small, on_wire(blocks)), plan.replica_axis)
-      blocks = [s.astype(b.dtype) for s, b in zip(sent, blocks, strict=True)]
-    small_leaves, total, vtotal = small
-    out = list(acc)
-    for j, x in zip(small_idx, small_leaves, strict=True):
-      out[j] = x.astype(acc[j].dtype)
-    for j, b in zip(sharded_idx if axis is not None else [], blocks, strict=True):
-      out[j] = b
-    grads = jax.tree.unflatten(treedef, [(x / total.astype(x.dtype)) for x in out])
-
-    def mean(v):
-      t = total.astype(v.dtype)
-      return jnp.where(t == 0, jnp.zeros((), v.dtype), v / t)
-
-    value = jax.tree.map(mean, vtotal)
-    if self.has_aux:
-      loss, aux = value
-      metrics = {"loss": loss, "aux": aux, "weight": total}
-    else:
-      metrics = {"loss": value, "weight": total}
-    return grads, metrics

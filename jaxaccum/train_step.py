@@ -33,13 +33,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
-from jaxaccum import _tree, parallel
-from jaxaccum import noise as _noise
-from jaxaccum.microbatch import _check_reductions, _leaf_reductions, check_binds, leading_size, microbatch
+from jaxaccum import _engine, _tree, sharded
+from jaxaccum.microbatch import _check_reductions, check_accumulator_dtype, check_binds, check_skip_empty, leading_size
 
 _CLOSURE_HINT = (
   "loss_fn must take the batch as its second argument: loss_fn(params, batch) (and a key third, "
@@ -55,25 +54,43 @@ _STATE_HINT = (
 
 
 class TrainStep:
-  """The jitted step with a cheap check in front: no deleted (donated) array reaches XLA.
+  """The step `make_train_step` returns: argument checks in front of one jitted function.
 
-  With `donate=True` the buffers of `params` and `opt_state` belong to the step's
-  outputs after a call; passing the old ones again is a use-after-free (on a
-  multi-device mesh, jax 0.10 segfaults). `__call__` looks at `is_deleted()` of
-  the array leaves (Python only, before the jitted call) and raises a ValueError
-  naming the argument. Everything else (`lower`, `trace`, `eval_shape`, ...) is
-  the jitted function's.
+  Before the jitted call (Python only, cheap): no deleted (donated) array may
+  reach XLA (with `donate=True` the buffers of `params`, `opt_state` and
+  `state` belong to the step's outputs; passing the old ones again is a
+  use-after-free, which segfaults on a multi-device mesh in jax 0.10), the
+  batch's size must split into devices times microbatches, `opt_state` must be
+  the optimizer's, and the parameters' layouts are read (on an Auto mesh a
+  user's sharding over other axes, e.g. "model", is known only there) and
+  passed to the trace as a static argument. Called inside an outer `jax.jit`,
+  the layouts come from the mesh, the shapes and (Explicit axes) the types, so
+  the step keeps its shardings there too.
   """
 
-  def __init__(self, jitted, arg_names: tuple[str, ...], fun):
-    self._jitted = jitted
-    self._arg_names = arg_names
+  def __init__(self, cfg: _engine.Config, arg_names: tuple[str, ...], hint: str):
+    self._cfg, self._arg_names, self._hint = cfg, arg_names, hint
     self.batch_argnum = arg_names.index("batch")  # for ja.plan_microbatches' default candidates
-    functools.update_wrapper(self, fun)
+    has_state = cfg.has_state
 
-  def __call__(self, *args, **kwargs):
-    named = list(zip(self._arg_names, args, strict=False)) + list(kwargs.items())
-    for name, tree in named:
+    def fun(*args, given=None):
+      params, state, opt_state, batch, key = args if has_state else (args[0], None, *args[1:])
+      out = _engine.step(cfg, given, params, state, opt_state, batch, key)
+      return out if has_state else (out[0], *out[2:])
+
+    donate = tuple(range(3 if has_state else 2)) if cfg.donate else ()
+    self._jitted = jax.jit(fun, donate_argnums=donate, static_argnames=("given",))
+    functools.update_wrapper(self, cfg.loss_fn, assigned=("__doc__",), updated=())
+
+  def _prepare(self, args, kwargs):
+    named = dict(zip(self._arg_names, args, strict=False)) | kwargs
+    unknown = set(named) - set(self._arg_names)
+    if unknown or len(args) > len(self._arg_names):
+      raise TypeError(f"the step takes ({', '.join(self._arg_names)}), got {len(args)} positional and {sorted(kwargs)}")
+    for name in self._arg_names[:-1]:
+      if name not in named:
+        raise TypeError(f"the step takes ({', '.join(self._arg_names)}): {name} is missing")
+    for name, tree in named.items():
       for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
           outs = ", ".join(n for n in self._arg_names if n not in ("batch", "key")) + ", metrics"
@@ -83,68 +100,55 @@ class TrainStep:
             f"Use the step's outputs for the next call, rebind: {outs} = step({', '.join(self._arg_names[:-1])})"
             ", or build the step with donate=False."
           )
-    return self._jitted(*args, **kwargs)
+    cfg, key = self._cfg, named.get("key")
+    head = (None,) * (self._arg_names.index("batch") - 1 if cfg.has_state else 1)
+    check_binds(cfg.loss_fn, "loss_fn", head + (None,) * (1 if key is None else 2), {}, self._hint)
+    size = leading_size(named["batch"])
+    devices = 1 if cfg.mesh is None else int(np.prod([cfg.mesh.shape[a] for a in cfg.plan.batch_axes]))
+    if size % (devices * cfg.k):
+      where = "" if cfg.mesh is None else f" {devices} devices on data axes {cfg.plan.batch_axes} times"
+      raise ValueError(f"the batch's leading size {size} is not divisible by{where} num_microbatches={cfg.k}")
+    _check_opt_state(cfg.optimizer, named["params"], named["opt_state"])
+    given = None
+    if cfg.mesh is not None:
+      given = tuple(sharded.given_spec(x, cfg.mesh) for x in jax.tree.leaves(named["params"]))
+      # Concrete parameters must be laid out as the strategy wants (a silent reshard costs a collective).
+      sharded._layouts(named["params"], cfg.mesh, cfg.plan, placed=True, given=list(given))
+    args = tuple(named.get(n) for n in self._arg_names)
+    return args, given
+
+  def __call__(self, *args, **kwargs):
+    args, given = self._prepare(args, kwargs)
+    return self._jitted(*args, given=given)
 
   def lower(self, *args, **kwargs):
-    return self._jitted.lower(*args, **kwargs)
+    args, given = self._prepare(args, kwargs)
+    return self._jitted.lower(*args, given=given)
+
+  def trace(self, *args, **kwargs):
+    args, given = self._prepare(args, kwargs)
+    return self._jitted.trace(*args, given=given)
+
+  def eval_shape(self, *args, **kwargs):
+    args, given = self._prepare(args, kwargs)
+    return self._jitted.eval_shape(*args, given=given)
 
   def __getattr__(self, name):
     return getattr(self._jitted, name)
 
 
-def _sharded_step(
-  loss_fn,
-  optimizer,
-  *,
-  num_microbatches,
-  mesh,
-  data_axis,
-  has_aux,
-  weight_fn,
-  donate,
-  aux_reductions,
-  has_state,
-  state_reductions,
-  grad_norms,
-  strategy,
-  comm_dtype,
-  fsdp_gather,
-  noise_scale=False,
-  skip_empty=False,
-):
-  """make_train_step for a sharded strategy (or ddp with a wire dtype): `jaxaccum.sharded` builds it."""
-  from jaxaccum import sharded  # sharded imports only _tree and parallel: no cycle
-
-  if not isinstance(strategy, str) or strategy not in sharded.STRATEGIES:
-    raise ValueError(f"{strategy=} must be one of {sharded.STRATEGIES}")
-  if fsdp_gather is not None and strategy not in ("fsdp", "hsdp"):
-    raise ValueError(f"{fsdp_gather=} applies to strategy='fsdp' or 'hsdp' only, not {strategy=}")
-  if mesh is None:
-    raise ValueError(f"{strategy=} (or comm_dtype/fsdp_gather) needs a mesh: make_train_step(..., mesh=...)")
-  for name, value in (
-    ("has_state", has_state),
-    ("grad_norms", grad_norms),
-    ("noise_scale", noise_scale),
-    ("skip_empty", skip_empty),
-  ):
-    if value is not False:
-      raise ValueError(f"{name}={value!r} is not supported with {strategy=} yet (only with strategy='ddp')")
-  for name, value in (("aux_reductions", aux_reductions), ("state_reductions", state_reductions)):
-    if value is not None:
-      raise ValueError(f"{name}={value!r} is not supported with {strategy=} yet (only with strategy='ddp')")
-  return sharded.make_sharded_train_step(
-    loss_fn,
-    optimizer,
-    strategy=strategy,
-    mesh=mesh,
-    data_axis=data_axis,
-    num_microbatches=num_microbatches,
-    has_aux=has_aux,
-    weight_fn=weight_fn,
-    donate=donate,
-    comm_dtype=comm_dtype,
-    fsdp_gather="per_microbatch" if fsdp_gather is None else fsdp_gather,
-  )
+def _check_opt_state(optimizer, params, opt_state) -> None:
+  """`opt_state` must have the structure `optimizer.init(params)` gives (e.g. not another optimizer's)."""
+  try:
+    want = jax.eval_shape(optimizer.init, params)
+  except Exception:  # an init that cannot run abstractly: the step will say what is wrong
+    return
+  if jax.tree.structure(want) != jax.tree.structure(opt_state):
+    raise ValueError(
+      f"opt_state does not match optimizer={optimizer!r}: it has structure {_tree.describe(opt_state)}, "
+      f"optimizer.init(params) gives {_tree.describe(want)}. Create it with optimizer.init(params) "
+      "(or ja.shard_train_state(params, optimizer, mesh, strategy=...)) for the optimizer given to make_train_step."
+    )
 
 
 def make_train_step(
@@ -285,28 +289,7 @@ def make_train_step(
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn={loss_fn!r} must be callable")
-  if strategy != "ddp" or comm_dtype is not None or fsdp_gather is not None:
-    return _sharded_step(
-      loss_fn,
-      optimizer,
-      num_microbatches=num_microbatches,
-      mesh=mesh,
-      data_axis=data_axis,
-      has_aux=has_aux,
-      weight_fn=weight_fn,
-      donate=donate,
-      aux_reductions=aux_reductions,
-      has_state=has_state,
-      state_reductions=state_reductions,
-      grad_norms=grad_norms,
-      strategy=strategy,
-      comm_dtype=comm_dtype,
-      fsdp_gather=fsdp_gather,
-      noise_scale=noise_scale,
-      skip_empty=skip_empty,
-    )
-  if not hasattr(optimizer, "update") or not hasattr(optimizer, "init"):
-    raise TypeError(f"optimizer={optimizer!r} must be an optax GradientTransformation")
+  optimizer = _tree.check_optimizer(optimizer, "optimizer")
   k = _tree.check_positive_int(num_microbatches, "num_microbatches")
   for name, value in (
     ("has_aux", has_aux),
@@ -314,201 +297,60 @@ def make_train_step(
     ("has_state", has_state),
     ("grad_norms", grad_norms),
     ("noise_scale", noise_scale),
-    ("skip_empty", skip_empty),
   ):
     if not isinstance(value, bool):
       raise TypeError(f"{name}={value!r} must be a bool")
   if weight_fn is not None and not callable(weight_fn):
     raise TypeError(f"weight_fn={weight_fn!r} must be callable or None")
-  if skip_empty and weight_fn is None:
-    raise ValueError(
-      f"{skip_empty=} needs a weight_fn: a microbatch is empty when its weight is 0 "
-      "(e.g. weight_fn=lambda b: b['mask'].sum())"
-    )
+  check_skip_empty(skip_empty, weight_fn)
   if aux_reductions is not None and not has_aux:
     raise ValueError(f"{aux_reductions=} needs has_aux=True (loss_fn returning (loss, aux))")
   if state_reductions is not None and not has_state:
     raise ValueError(f"{state_reductions=} needs has_state=True")
-  # Names checked now; the tree against the outputs when the step is traced.
+  # Names checked now; the trees against the outputs when the step is traced.
   _check_reductions(aux_reductions)
   _check_reductions(state_reductions)
-  if mesh is not None:
+  check_accumulator_dtype(comm_dtype, "comm_dtype")
+  comm_dtype = None if comm_dtype is None else jnp.dtype(comm_dtype)
+  if not isinstance(strategy, str) or strategy not in sharded.STRATEGIES:
+    raise ValueError(f"{strategy=} must be one of {sharded.STRATEGIES}")
+  if fsdp_gather is not None and fsdp_gather not in sharded.FSDP_GATHERS:
+    raise ValueError(f"{fsdp_gather=} is not one of {sharded.FSDP_GATHERS}")
+  if fsdp_gather is not None and strategy not in ("fsdp", "hsdp"):
+    # zero1 keeps whole parameters on every device and ddp shards nothing: there is nothing to gather.
+    raise ValueError(f"{fsdp_gather=} applies to strategy='fsdp' or 'hsdp' only, not {strategy=}")
+  plan = None
+  if mesh is None:
+    if strategy != "ddp" or comm_dtype is not None:
+      what = f"{strategy=}" if strategy != "ddp" else f"comm_dtype={comm_dtype}"
+      raise ValueError(f"{what} needs a mesh (make_train_step(..., mesh=...)): without one there is no wire")
+  else:
     if not isinstance(mesh, Mesh):
       raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh (see ja.data_mesh)")
-    if data_axis not in mesh.axis_names:
-      raise ValueError(f"{data_axis=} is not an axis of the mesh (its axes: {mesh.axis_names})")
-  head = (None, None, None) if has_state else (None, None)
+    plan = sharded._make_plan(strategy, mesh, data_axis)
   hint = _STATE_HINT if has_state else _CLOSURE_HINT
+  head = (None, None, None) if has_state else (None, None)
   try:  # loss_fn(params[, state], batch), or with a key last for a step given a key
     check_binds(loss_fn, "loss_fn", head + (None,), {}, hint)
   except TypeError:
     check_binds(loss_fn, "loss_fn", head, {}, hint)
-  axis = data_axis if mesh is not None else None
-  # With skipping on a mesh, "last" leaves come from the last device that ran a microbatch.
-  ran_flag = skip_empty and axis is not None
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux or has_state)
-  nbatch = len(head) - 1  # the batch's position among loss_fn's arguments
-
-  def local_step(params, state, opt_state, batch, key):
-    """The step as one device sees it (inside shard_map when there is a mesh)."""
-    diff_params = params
-    if axis is not None:
-      # Varying params: per-device gradients stay local; the all-reduce is ours.
-      diff_params = lax.pcast(params, axis, to="varying")
-      if key is not None:
-        key = jax.random.fold_in(key, lax.axis_index(axis))
-    elif key is not None:
-      key = jax.random.fold_in(key, 0)
-    args = (diff_params,) + ((state,) if has_state else ()) + (batch,) + (() if key is None else (key,))
-
-    def fun(*a):
-      try:
-        value, grads = grad_fn(*a)
-      except TypeError as e:
-        if "scalar-output" not in str(e) or has_aux or has_state:
-          raise
-        raise TypeError(
-          f"loss_fn returned more than a scalar loss ({e}). If it returns (loss, aux), pass "
-          "make_train_step(..., has_aux=True); if it returns (loss, new_model_state), has_state=True "
-          "(loss_fn(params, state, batch))."
-        ) from None
-      if has_state:  # checked here, before the state's reductions are matched against it
-        new_state = value[1][0] if has_aux else value[1]
-        _tree.check_same_structure(new_state, state, "the state loss_fn returned", "the state passed to the step")
-      out = (value, grads, optax.tree.norm(grads)) if grad_norms else (value, grads)
-      if noise_scale:  # |g_i|^2 (a weighted mean: S1) and 1 (a sum over microbatches of weight > 0: K)
-        wide = _tree.widest(_tree.accumulator_dtype(x.dtype) for x in jax.tree.leaves(grads))
-        out = (*out, _noise.sq_norm(grads, wide), jnp.ones([], wide))
-      if ran_flag:  # 1 on a device that ran a microbatch, "last": its init 0 on one that skipped them all
-        out = (*out, jnp.ones([], jnp.float32))
-      # The parameters are varying, so the gradients are per device by construction;
-      # a loss or aux that is the same on every device (a constant) is then fine too.
-      return out if axis is None else parallel.to_varying(out, axis)
-
-    state_red = None
-    if has_state:
-      state_red = state_reductions
-      if state_red is None:
-        state_red = jax.tree.map(lambda x: "mean" if jnp.issubdtype(x.dtype, jnp.inexact) else "last", state)
-    aux_red = "mean" if aux_reductions is None else aux_reductions
-    value_red: Any = "mean"
-    if has_state or has_aux:
-      value_red = ("mean", (state_red, aux_red) if has_state and has_aux else state_red if has_state else aux_red)
-    reductions = (value_red, "mean") + (("concat",) if grad_norms else ()) + (("mean", "sum") if noise_scale else ())
-    reductions += ("last",) if ran_flag else ()
-    out, total = microbatch(
-      fun,
-      k,
-      batch_argnums=nbatch,
-      weight_fn=weight_fn,
-      key_argnum=None if key is None else nbatch + 1,
-      axis_name=axis,
-      reductions=reductions,
-      return_total_weight=True,
-      skip_empty=skip_empty,
-    )(*args)
-    ran = None
-    if ran_flag:
-      ran, out = out[-1], out[:-1]
-    value, grads = out[0], out[1]
-    loss, new_state, aux = value, None, None
-    if has_state:
-      loss, rest = value
-      new_state, aux = rest if has_aux else (rest, None)
-      if axis is not None:
-        new_state = _last_of_last_device(new_state, state_red, axis, ran)
-      new_state = _tree.cast_like(new_state, state)  # the same dtypes every step: no recompiles
-    elif has_aux:
-      loss, aux = value
-    if has_aux and axis is not None:
-      aux = _last_of_last_device(aux, aux_red, axis, ran)
-    # NaN (an invalid weight) compares False too: no update from it either. Nor from a
-    # non-finite mean gradient (a microbatch of weight > 0 whose loss was NaN, e.g. padding
-    # without a weight_fn): the grads are all-reduced, so every device decides the same.
-    applied = (total > 0) & _tree.all_finite(grads)
-
-    def update(ops):
-      params, state, opt_state, grads, new_state = ops
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), new_state, opt_state
-
-    params, state, opt_state = parallel.cond(
-      applied, update, lambda ops: ops[:3], (params, state, opt_state, grads, new_state)
-    )
-    metrics = {"loss": loss}
-    if has_aux:
-      metrics["aux"] = aux
-    metrics.update(total_weight=total, applied=applied)
-    if grad_norms:
-      metrics["grad_norms"] = out[2]
-    if noise_scale:
-      s1, count = out[-2], out[-1]
-      # |g|^2 of the all-reduced mean: the same on every device, no collective.
-      mean_sq = _noise.sq_norm(grads, s1.dtype)
-      grad_sq, trace_cov, valid = _noise.window_estimates(s1 * total.astype(s1.dtype), total, mean_sq, count)
-      metrics["noise_scale"] = _noise.step_estimate(grad_sq, trace_cov, valid)
-    return params, state, opt_state, metrics
-
-  def step(params, state, opt_state, batch, key=None):
-    # Checked here, on the global shapes: inside shard_map a device sees only its rows.
-    size = leading_size(batch)
-    check_binds(loss_fn, "loss_fn", head if key is None else head + (None,), {}, hint)
-    if mesh is None:
-      return local_step(params, state, opt_state, batch, key)
-    shards = mesh.shape[data_axis]
-    if size % (shards * k):
-      raise ValueError(
-        f"the batch's leading size {size} is not divisible by {shards} devices on {data_axis=} "
-        f"times num_microbatches={k}"
-      )
-    replicated, split = PartitionSpec(), PartitionSpec(data_axis)
-    key_spec = None if key is None else replicated
-    body = jax.shard_map(
-      lambda p, st, s, b, r: local_step(p, st, s, b, r),
-      mesh=mesh,
-      in_specs=(replicated, replicated, replicated, split, key_spec),
-      out_specs=(replicated, replicated, replicated, replicated),
-    )
-    return body(params, state, opt_state, batch, key)
-
-  if has_state:
-
-    def stateful_step(params, state, opt_state, batch, key=None):
-      return step(params, state, opt_state, batch, key)
-
-    jitted = jax.jit(stateful_step, donate_argnums=(0, 1, 2) if donate else ())
-    return TrainStep(jitted, ("params", "state", "opt_state", "batch", "key"), stateful_step)
-
-  def plain_step(params, opt_state, batch, key=None):
-    params, _, opt_state, metrics = step(params, None, opt_state, batch, key)
-    return params, opt_state, metrics
-
-  jitted = jax.jit(plain_step, donate_argnums=(0, 1) if donate else ())
-  return TrainStep(jitted, ("params", "opt_state", "batch", "key"), plain_step)
-
-
-def _last_of_last_device(tree, reductions, axis, ran=None):
-  """Leaves reduced with "last" hold each device's own last microbatch: take the last device's.
-
-  So that the step's outputs are replicated, and "last" means the last
-  microbatch of the whole batch. One small all-gather of those leaves. `ran`
-  (skip_empty): per device, > 0 where it ran a microbatch; the last such
-  device's values are taken (the last device's when none ran: the step then
-  applies nothing anyway).
-  """
-  if tree is None:
-    return tree
-  leaves, treedef = jax.tree.flatten(tree)
-  reds = _leaf_reductions(reductions, tree)
-  picked = [i for i, r in enumerate(reds) if r == "last"]
-  if picked:
-    sent = [leaves[i] for i in picked] + ([] if ran is None else [ran])
-    got = lax.all_gather(parallel.to_varying(sent, axis), axis, to="invarying")
-    last: Any = -1  # the last device, or (skip_empty) a traced index
-    if ran is not None:
-      flags = got.pop() > 0
-      n = flags.shape[0]
-      last = jnp.where(jnp.any(flags), n - 1 - jnp.argmax(flags[::-1]), n - 1)
-    for i, g in zip(picked, got, strict=True):
-      leaves[i] = g[last]
-  return jax.tree.unflatten(treedef, leaves)
+  cfg = _engine.Config(
+    loss_fn=loss_fn,
+    optimizer=optimizer,
+    k=k,
+    has_aux=has_aux,
+    has_state=has_state,
+    weight_fn=weight_fn,
+    aux_reductions=aux_reductions,
+    state_reductions=state_reductions,
+    grad_norms=grad_norms,
+    noise_scale=noise_scale,
+    skip_empty=skip_empty,
+    comm_dtype=comm_dtype,
+    lean=fsdp_gather != "once",
+    mesh=mesh,
+    plan=plan,
+    donate=donate,
+  )
+  names = ("params", "state", "opt_state", "batch", "key") if has_state else ("params", "opt_state", "batch", "key")
+  return TrainStep(cfg, names, hint)

@@ -89,7 +89,6 @@ def main(port: str, process_id: str, out_dir: str) -> None:
   from jax.experimental import multihost_utils  # noqa: PLC0415
 
   import jaxaccum as ja  # noqa: PLC0415
-  from jaxaccum import sharded  # noqa: PLC0415
 
   assert jax.process_count() == NUM_PROCESSES and jax.device_count() == DEVICES
   params, batch = problem()
@@ -102,7 +101,7 @@ def main(port: str, process_id: str, out_dir: str) -> None:
   for name, strategy, options in RUNS:
     mesh, axes = mesh_for(strategy)
     p, s = ja.shard_train_state(params, opt, mesh, strategy=strategy, data_axis=axes)
-    step = sharded.make_sharded_train_step(
+    step = ja.make_train_step(
       loss_fn, opt, strategy=strategy, mesh=mesh, data_axis=axes, num_microbatches=K, weight_fn=weight_fn, **options
     )
     placed = ja.shard_batch(local, mesh, axes)

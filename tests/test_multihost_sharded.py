@@ -119,6 +119,7 @@ def test_invalid_or_zero_weights_skip_the_step(strategy):
   from jax.sharding import NamedSharding  # noqa: PLC0415
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
+  import jaxaccum as ja  # noqa: PLC0415
   from jaxaccum import sharded  # noqa: PLC0415
 
   mesh, opt = _mesh8(), optax.adam(1e-2)
@@ -126,7 +127,7 @@ def test_invalid_or_zero_weights_skip_the_step(strategy):
   rows = 32
   data = {"x": batch["x"][:rows], "y": batch["y"][:rows]}
   p, s = sharded.shard_train_state(params, opt, mesh, strategy=strategy)
-  step = sharded.make_sharded_train_step(
+  step = ja.make_train_step(
     _masked_loss, opt, strategy=strategy, mesh=mesh, num_microbatches=2, weight_fn=lambda b: b["w"].sum(), donate=False
   )
   compiled = None
@@ -156,13 +157,14 @@ def test_ddp_sends_comm_dtype():
   from jax.sharding import NamedSharding  # noqa: PLC0415
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
+  import jaxaccum as ja  # noqa: PLC0415
   from jaxaccum import _hlo, sharded  # noqa: PLC0415
 
   mesh, opt = _mesh8(), optax.sgd(0.1)
   params, batch = worker.problem()
   data = {"x": batch["x"][:32], "y": batch["y"][:32], "w": np.ones(32)}
   p, s = sharded.shard_train_state(params, opt, mesh, strategy="ddp")
-  step = sharded.make_sharded_train_step(_masked_loss, opt, strategy="ddp", mesh=mesh, comm_dtype=jnp.float32)
+  step = ja.make_train_step(_masked_loss, opt, strategy="ddp", mesh=mesh, comm_dtype=jnp.float32)
   placed = jax.device_put(data, NamedSharding(mesh, P("data")))
   compiled = step.lower(p, s, placed).compile()
   n = sum(x.size for x in jax.tree.leaves(params))
@@ -186,6 +188,7 @@ def test_donated_arguments_raise_instead_of_crashing():
   from jax.sharding import NamedSharding  # noqa: PLC0415
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
+  import jaxaccum as ja  # noqa: PLC0415
   from jaxaccum import sharded  # noqa: PLC0415
 
   mesh, opt = _mesh8(), optax.adam(0.1)
@@ -194,7 +197,7 @@ def test_donated_arguments_raise_instead_of_crashing():
     {"x": batch["x"][:32], "y": batch["y"][:32], "w": np.ones(32)}, NamedSharding(mesh, P("data"))
   )
   p, s = sharded.shard_train_state(params, opt, mesh, strategy="zero1")
-  step = sharded.make_sharded_train_step(_masked_loss, opt, strategy="zero1", mesh=mesh)
+  step = ja.make_train_step(_masked_loss, opt, strategy="zero1", mesh=mesh)
   new_p, new_s, _ = step(p, s, placed)
   with pytest.raises(ValueError, match=r"params\[0\]\['b'\] was deleted: it was donated"):
     step(p, new_s, placed)

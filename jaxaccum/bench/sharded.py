@@ -19,6 +19,7 @@ import optax
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+import jaxaccum as ja
 from jaxaccum import _hlo, sharded
 
 
@@ -77,9 +78,7 @@ def sharded_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=1
       key = jax.random.PRNGKey(1)
       batch = (jax.random.normal(key, (rows, sizes[0]), jnp.float32), jnp.zeros((rows, sizes[-1]), jnp.float32))
       batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(axes)))
-      step = sharded.make_sharded_train_step(
-        _loss, opt, strategy=strategy, mesh=mesh, data_axis=axes, num_microbatches=k, **options
-      )
+      step = ja.make_train_step(_loss, opt, strategy=strategy, mesh=mesh, data_axis=axes, num_microbatches=k, **options)
       compiled = step.lower(p, s, batch).compile()
       counts, _, ring = _per_update(compiled, k)
       mem = compiled.memory_analysis()

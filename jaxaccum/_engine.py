@@ -1,0 +1,411 @@
+"""The one train step behind `make_train_step`: plan, local sums, reducer, update, for every strategy.
+
+Without a mesh the step is the microbatch loop and the optimizer. With one, the
+strategy's plan (`jaxaccum.sharded`: which data axes split the batch, which
+axis shards optimizer state and parameters, every leaf's layout from the mesh
+and the shapes) decides three things, and nothing else differs between
+strategies:
+
+1. the local sums: inside a `jax.shard_map` manual over the data axes only
+   (other mesh axes, e.g. "model", stay with the partitioner), each device
+   runs `ja.microbatch`'s loop over its rows. Weights are known before the
+   loop (`weights`), and their global total W is reduced first (a scalar
+   all-reduce; none without a `weight_fn`: W = P K), so every microbatch's
+   gradient enters the accumulator already normalised, (w_i / W) g_i. What
+   later crosses the wire is a share of the mean gradient, never sum w g: a
+   float16 `comm_dtype` cannot overflow on token-count weights;
+2. the reducer: replicated leaves are all-reduced over the data axes together
+   with the loss, aux, state and noise sums (one instruction); leaves sharded
+   over the shard axis are reduce-scattered (packed, one instruction per
+   dtype), after the loop, or per microbatch for fsdp's memory-lean gather;
+   hsdp all-reduces its blocks once more across replicas;
+3. the update: outside the shard_map, under jit, the optimizer runs on the
+   globally shaped gradient (in the parameters' dtype), state and parameter
+   slice, laid out per the plan (global-norm transforms get their scalar
+   all-reduces from the partitioner); zero1 then all-gathers the parameters.
+
+A step with nothing to average (total weight 0 or NaN) or a non-finite mean
+gradient applies nothing: parameters, model state and optimizer state come
+back unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jaxaccum import _tree, parallel, sharded
+from jaxaccum import noise as _noise
+from jaxaccum.microbatch import (
+  _leaf_reductions,
+  _weight_ok,
+  _weighted,
+  check_prefix,
+  finish,
+  local_sums,
+  split,
+  weights,
+)
+
+
+class Config(NamedTuple):
+  """Everything `make_train_step` resolved and checked."""
+
+  loss_fn: Any
+  optimizer: Any
+  k: int  # microbatches per device
+  has_aux: bool
+  has_state: bool
+  weight_fn: Any
+  aux_reductions: Any
+  state_reductions: Any
+  grad_norms: bool
+  noise_scale: bool
+  skip_empty: bool
+  comm_dtype: Any  # the gradient's dtype on the wire (None: the accumulator's)
+  lean: bool  # fsdp/hsdp gathering parameters per microbatch (not once per step)
+  mesh: Any  # None: one device
+  plan: Any  # sharded._Plan, None without a mesh
+  donate: bool  # params, opt_state (and state) buffers given to the outputs
+
+
+def step(cfg: Config, given, params, state, opt_state, batch, key):
+  """The traced step: `(params, state, opt_state, metrics)` after one update on `batch`."""
+  if cfg.mesh is None:
+    grads, out = _local(cfg, None, params, state, batch, key)
+    return _update(cfg, None, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
+  plan, mesh = cfg.plan, cfg.mesh
+  layouts = sharded._layouts(params, mesh, plan, placed=False, given=given)
+  flat = jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)
+  manual = set(plan.batch_axes)
+  axes = plan.batch_axes[0] if len(plan.batch_axes) == 1 else plan.batch_axes
+  batch = jax.tree.map(lambda x: sharded._place(x, mesh, PartitionSpec(axes)), batch)
+  param_in = jax.tree.map(lambda lay: sharded._manual_spec(lay.param_spec, manual), layouts, is_leaf=sharded._is_leaf)
+  grad_out = [sharded._manual_spec(lay.opt_spec, manual) for lay in flat]
+  body = jax.shard_map(
+    functools.partial(_local, cfg, flat),
+    mesh=mesh,
+    axis_names=manual,
+    in_specs=(param_in, PartitionSpec(), PartitionSpec(axes), None if key is None else PartitionSpec()),
+    out_specs=(grad_out, PartitionSpec()),
+  )
+  grads, out = body(params, state, batch, key)
+  return _update(cfg, layouts, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
+
+
+# --------------------------------------------------------------------------- local sums (per device)
+
+
+def _local(cfg: Config, flat, params, state, batch, key):
+  """One device's part: the microbatch loop, then the reducer. Returns (gradient leaves, outputs)."""
+  plan = cfg.plan
+  axes = () if plan is None else plan.batch_axes
+  axis = None if not axes else axes[0] if len(axes) == 1 else axes
+  coll = None if plan is None else _Collectives(plan, flat, cfg.mesh, cfg.comm_dtype)
+  if key is not None:
+    key = jax.random.fold_in(key, 0 if axis is None else lax.axis_index(axis))
+  if coll is not None and plan.params_sharded and not cfg.lean:
+    params = coll.gather(params)  # fsdp_gather="once": the whole tree, once per step
+  if axes:
+    # Varying params: per-device gradients stay local; the reductions are ours.
+    params = jax.tree.map(lambda x: sharded._vary(x, axes), params)
+  sp = split((batch,), (0,), cfg.k)
+  wdtype = _tree.widest(_tree.accumulator_dtype(x.dtype) for x in jax.tree.leaves(params))
+  ws = weights(sp, cfg.weight_fn).astype(wdtype)
+  total = _global_total(ws, cfg, axis)
+  run, reductions, n_grads = _microbatch_fn(cfg, coll, params, state, key, ws, total)
+  sums = local_sums(run, sp, ws, reductions=reductions, skip=cfg.skip_empty)
+  grads = sums.accs[:n_grads]
+  rest = sums._replace(accs=sums.accs[n_grads:], reds=sums.reds[n_grads:], like=sums.like[1:], single=None)
+  if coll is None:
+    out, _ = finish(rest, None, total=total)
+  else:
+    reduce_rest = lambda small: finish(rest, axis, total=total, extra=small)
+    grads, (out, _, small) = coll.reduce(grads, reduce_rest, scattered=plan.params_sharded and cfg.lean)
+    grads = coll.merge(grads, small)
+  return grads, _outputs(cfg, out, state, axis, total)
+
+
+def _global_total(ws, cfg: Config, axis):
+  """W = sum of every device's weights, reduced before the loop (NaN if any weight is negative or not finite)."""
+  bad = jnp.sum(~_weight_ok(ws)).astype(ws.dtype)
+  if cfg.weight_fn is None:  # every weight is 1: W = P K, no collective
+    devices = 1 if axis is None else int(np.prod([cfg.mesh.shape[a] for a in cfg.plan.batch_axes]))
+    return jnp.asarray(devices * cfg.k, ws.dtype)
+  local = (jnp.sum(jnp.where(_weight_ok(ws), ws, 0)), bad)
+  total, bad = local if axis is None else lax.psum(local, axis)
+  return jnp.where(bad == 0, total, jnp.full((), jnp.nan, ws.dtype))
+
+
+def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
+  """`run(microbatches, i)` for the loop, its outputs' reductions, and how many leading leaves are gradients.
+
+  Outputs: ([(w_i / W) g_i per leaf], value, [|g_i|], [|g_i|^2, 1], [ran]).
+  """
+  grad_fn = jax.value_and_grad(cfg.loss_fn, has_aux=cfg.has_aux or cfg.has_state)
+  axes = () if cfg.plan is None else cfg.plan.batch_axes
+  ran_flag = cfg.skip_empty and bool(axes)
+  n_grads = len(jax.tree.leaves(params))
+  state_red = cfg.state_reductions
+  if cfg.has_state and state_red is None:
+    state_red = jax.tree.map(lambda x: "mean" if jnp.issubdtype(x.dtype, jnp.inexact) else "last", state)
+
+  def run(mbs, i):
+    p = params
+    if coll is not None and cfg.plan.params_sharded and cfg.lean:
+      # Tie the shards to the loop index, so that XLA cannot hoist the gather out of
+      # the loop (it would, as loop-invariant code) and keep a full copy across it.
+      p, _ = lax.optimization_barrier((p, i))
+      p = jax.tree.map(lambda x: sharded._vary(x, axes), coll.gather(p))
+    args = (
+      (p,) + ((state,) if cfg.has_state else ()) + (mbs[0],) + (() if key is None else (jax.random.fold_in(key, i),))
+    )
+    value, g = _value_and_grad(grad_fn, cfg, args)
+    if cfg.has_state:  # checked here, before the state's reductions are matched against it
+      new_state = value[1][0] if cfg.has_aux else value[1]
+      _tree.check_same_structure(new_state, state, "the state loss_fn returned", "the state passed to the step")
+    if cfg.has_aux:
+      aux = value[1][1] if cfg.has_state else value[1]
+      check_prefix(cfg.aux_reductions, aux, "aux_reductions")
+    if cfg.has_state:
+      check_prefix(cfg.state_reductions, new_state, "state_reductions")
+    share = ws[i] / total
+    leaves = [_weighted(x, share, _tree.accumulator_dtype(x.dtype)) for x in jax.tree.leaves(g)]
+    if coll is not None and cfg.plan.params_sharded and cfg.lean:
+      leaves = coll.scatter(leaves)  # each microbatch's share, reduce-scattered as soon as it exists
+    out = (leaves, value)
+    if cfg.grad_norms:
+      out = (*out, optax.tree.norm(g))
+    if cfg.noise_scale:  # |g_i|^2 (a weighted mean: S1) and 1 (a sum over microbatches of weight > 0: K)
+      wide = _tree.widest(_tree.accumulator_dtype(x.dtype) for x in jax.tree.leaves(g))
+      out = (*out, _noise.sq_norm(g, wide), jnp.ones([], wide))
+    if ran_flag:  # 1 on a device that ran a microbatch; "last": its init 0 on one that skipped them all
+      out = (*out, jnp.ones([], jnp.float32))
+    # The parameters are varying, so the gradients are per device by construction;
+    # a loss or aux that is the same on every device (a constant) is then fine too.
+    return parallel.to_varying(out, axes) if axes else out
+
+  aux_red = "mean" if cfg.aux_reductions is None else cfg.aux_reductions
+  value_red: Any = "mean"
+  if cfg.has_state or cfg.has_aux:
+    inner = (state_red, aux_red) if cfg.has_state and cfg.has_aux else state_red if cfg.has_state else aux_red
+    value_red = ("mean", inner)
+  reductions = (["sum"] * n_grads, value_red) + (("concat",) if cfg.grad_norms else ())
+  reductions += (("mean", "sum") if cfg.noise_scale else ()) + (("last",) if ran_flag else ())
+  return run, reductions, n_grads
+
+
+def _value_and_grad(grad_fn, cfg: Config, args):
+  try:
+    return grad_fn(*args)
+  except TypeError as e:
+    if "scalar-output" not in str(e) or cfg.has_aux or cfg.has_state:
+      raise
+    raise TypeError(
+      f"loss_fn returned more than a scalar loss ({e}). If it returns (loss, aux), pass "
+      "make_train_step(..., has_aux=True); if it returns (loss, new_model_state), has_state=True "
+      "(loss_fn(params, state, batch))."
+    ) from None
+
+
+def _outputs(cfg: Config, out, state, axis, total) -> dict:
+  """The reduced loop outputs as a dict: loss, aux, state, grad norms, noise sums; "last" from the last device."""
+  value, extras = out[0], list(out[1:])
+  ran = extras.pop() if cfg.skip_empty and axis is not None else None
+  res: dict = {"total_weight": total}
+  loss, new_state, aux = value, None, None
+  if cfg.has_state:
+    loss, rest = value
+    new_state, aux = rest if cfg.has_aux else (rest, None)
+  elif cfg.has_aux:
+    loss, aux = value
+  if axis is not None:
+    state_red = cfg.state_reductions
+    if cfg.has_state and state_red is None:
+      state_red = jax.tree.map(lambda x: "mean" if jnp.issubdtype(x.dtype, jnp.inexact) else "last", state)
+    new_state = _last_of_last_device(new_state, state_red, axis, ran)
+    aux = _last_of_last_device(aux, "mean" if cfg.aux_reductions is None else cfg.aux_reductions, axis, ran)
+  res["loss"] = loss
+  if cfg.has_aux:
+    res["aux"] = aux
+  if cfg.has_state:
+    res["state"] = _tree.cast_like(new_state, state)  # the same dtypes every step: no recompiles
+  if cfg.grad_norms:
+    res["grad_norms"] = extras.pop(0)
+  if cfg.noise_scale:
+    res["noise_sums"] = (extras[0], extras[1])
+  return res
+
+
+def _last_of_last_device(tree, reductions, axis, ran=None):
+  """Leaves reduced with "last" hold each device's own last microbatch: take the last device's.
+
+  So that the step's outputs are replicated, and "last" means the last
+  microbatch of the whole batch. One small all-gather of those leaves. `ran`
+  (skip_empty): per device, > 0 where it ran a microbatch; the last such
+  device's values are taken (the last device's when none ran: the step then
+  applies nothing anyway).
+  """
+  if tree is None:
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  reds = _leaf_reductions(reductions, tree)
+  picked = [i for i, r in enumerate(reds) if r == "last"]
+  if picked:
+    sent = [leaves[i] for i in picked] + ([] if ran is None else [ran])
+    got = lax.all_gather(parallel.to_varying(sent, axis), axis, to="invarying")
+    last: Any = -1  # the last device, or (skip_empty) a traced index
+    if ran is not None:
+      flags = got.pop() > 0
+      n = flags.shape[0]
+      last = jnp.where(jnp.any(flags), n - 1 - jnp.argmax(flags[::-1]), n - 1)
+    for i, g in zip(picked, got, strict=True):
+      leaves[i] = g[last]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+# --------------------------------------------------------------------------- the reducer
+
+
+class _Collectives:
+  """The strategy's collectives over the data axes (inside the shard_map): gather, scatter, reduce."""
+
+  def __init__(self, plan, flat, mesh, wire):
+    self.plan, self.flat, self.wire = plan, flat, wire
+    self.axis = plan.shard_axis
+    self.size = 1 if self.axis is None else mesh.shape[self.axis]
+    # Leaves sharded over the shard axis: reduce-scattered (and, for fsdp, gathered); the rest all-reduced.
+    self.sharded = [j for j, lay in enumerate(flat) if self.axis is not None and lay.dim is not None]
+
+  def gather(self, params):
+    """The sharded leaves of `params` all-gathered to full size (varying: each device computes with them)."""
+    xs = list(jax.tree.leaves(params))
+    full = sharded._all_gather([xs[j] for j in self.sharded], self._lay(), self.axis, self.size, to="varying")
+    for j, f in zip(self.sharded, full, strict=True):
+      xs[j] = f
+    return jax.tree.unflatten(jax.tree.structure(params), xs)
+
+  def scatter(self, leaves):
+    """The sharded leaves reduce-scattered over the shard axis (the others untouched)."""
+    xs = list(leaves)
+    blocks = sharded._reduce_scatter([xs[j] for j in self.sharded], self._lay(), self.axis, self.size, self.wire)
+    for j, b in zip(self.sharded, blocks, strict=True):
+      xs[j] = b
+    return xs
+
+  def reduce(self, grads, finish, *, scattered: bool):
+    """Sums every device's normalised gradient: (sharded blocks, finish's result with the small leaves summed).
+
+    `finish(small)` all-reduces the loop's other sums over the data axes with
+    the replicated leaves `small` (on the wire in `comm_dtype`) joined in.
+    `scattered`: the loop reduce-scattered the sharded leaves already (fsdp's
+    per-microbatch gather): they are blocks.
+    """
+    grads = list(grads)
+    if not scattered:
+      grads = self.scatter(grads)
+    blocks = [grads[j] for j in self.sharded]
+    small = [_cast(grads[j], self.wire) for j in range(len(grads)) if j not in self.sharded]
+    if self.plan.replica_axis is not None and blocks:  # hsdp: once across replicas, whatever K
+      sent = lax.psum([_cast(b, self.wire) for b in blocks], self.plan.replica_axis)
+      blocks = [s.astype(b.dtype) for s, b in zip(sent, blocks, strict=True)]
+    return blocks, finish(small)
+
+  def merge(self, blocks, small):
+    """Sharded blocks and summed small leaves back in leaf order, in the accumulator's dtypes."""
+    out = [None] * len(self.flat)
+    for j, b in zip(self.sharded, blocks, strict=True):
+      out[j] = b
+    rest = [j for j in range(len(self.flat)) if j not in self.sharded]
+    for j, s in zip(rest, small, strict=True):
+      out[j] = s
+    return out
+
+  def _lay(self):
+    return [self.flat[j] for j in self.sharded]
+
+
+def _cast(x, dtype):
+  return x if dtype is None else x.astype(dtype)
+
+
+# --------------------------------------------------------------------------- the update
+
+
+def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
+  """The optimizer on the global arrays, laid out per the plan; nothing moves unless the step applies."""
+  mesh = cfg.mesh
+  total = out.pop("total_weight")
+  grads = jax.tree.map(lambda g, p: g.astype(_tree.dtype_of(p)), grads, params)  # as plain optax would see them
+  # NaN (an invalid weight) compares False too; a non-finite mean gradient never reaches the parameters.
+  applied = (total > 0) & _tree.all_finite(grads)
+  piece, specs = params, None
+  if layouts is not None:
+    piece = jax.tree.map(lambda x, lay: sharded._place(x, mesh, lay.opt_spec), params, layouts)
+    specs = sharded.state_specs(opt_state, params, layouts, mesh, cfg.plan)
+    place = lambda tree: jax.tree.map(lambda x, s: sharded._place(x, mesh, s), tree, specs, is_leaf=_is_spec)
+    opt_state = place(opt_state)  # a replicated state given to zero1 comes back in zero1's layout
+  new_state = out.pop("state", state)
+
+  def update(ops):
+    piece, opt_state, state, new_state = ops
+    updates, opt_state = cfg.optimizer.update(grads, opt_state, piece)
+    return optax.apply_updates(piece, updates), opt_state, new_state
+
+  new_piece, new_opt, new_state = parallel.cond(
+    applied, update, lambda ops: (ops[0], ops[1], ops[2]), (piece, opt_state, state, new_state)
+  )
+  new_opt = _tree.cast_like(new_opt, opt_state)  # the dtypes optimizer.init gave: no retrace
+  if layouts is not None:
+    new_opt = place(new_opt)
+    if cfg.plan.shard_axis is not None and not cfg.plan.params_sharded:
+      new_piece = _zero1_gather(cfg, layouts, new_piece)
+    else:
+      new_piece = jax.tree.map(lambda x, lay: sharded._place(x, mesh, lay.param_spec), new_piece, layouts)
+  metrics = {"loss": out.pop("loss")}
+  if cfg.has_aux:
+    metrics["aux"] = out.pop("aux")
+  metrics.update(total_weight=total, applied=applied)
+  if cfg.grad_norms:
+    metrics["grad_norms"] = out.pop("grad_norms")
+  if cfg.noise_scale:
+    s1, count = out.pop("noise_sums")
+    mean_sq = _noise.sq_norm(grads, s1.dtype)  # |g|^2 of the reduced mean (the partitioner sums shards)
+    grad_sq, trace_cov, valid = _noise.window_estimates(s1 * total.astype(s1.dtype), total, mean_sq, count)
+    metrics["noise_scale"] = _noise.step_estimate(grad_sq, trace_cov, valid)
+  return new_piece, new_state, new_opt, metrics
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def _zero1_gather(cfg: Config, layouts, pieces):
+  """zero1: the one all-gather that rebuilds the replicated parameters from their shards."""
+  plan, mesh = cfg.plan, cfg.mesh
+  manual = set(plan.batch_axes)
+  flat = jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)
+  coll = _Collectives(plan, flat, mesh, None)
+
+  def body(*xs):
+    full = sharded._all_gather([xs[j] for j in coll.sharded], coll._lay(), coll.axis, coll.size, to="invarying")
+    out = list(xs)
+    for j, f in zip(coll.sharded, full, strict=True):
+      out[j] = f
+    return tuple(out)
+
+  out = jax.shard_map(
+    body,
+    mesh=mesh,
+    axis_names=manual,
+    in_specs=tuple(sharded._manual_spec(lay.opt_spec, manual) for lay in flat),
+    out_specs=tuple(sharded._manual_spec(lay.param_spec, manual) for lay in flat),
+  )(*jax.tree.leaves(pieces))
+  return jax.tree.unflatten(jax.tree.structure(pieces), out)
