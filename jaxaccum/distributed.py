@@ -44,7 +44,9 @@ import numbers
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any, Literal
 
 import jax
 
@@ -100,13 +102,13 @@ class fail_fast(contextlib.ContextDecorator):  # noqa: N801  (used like a functi
   def __init__(self, *, exit_code: int = 1):
     if isinstance(exit_code, bool) or not isinstance(exit_code, numbers.Integral) or not 0 < exit_code < 256:
       raise TypeError(f"{exit_code=} must be an int in [1, 255] (a failure's exit status)")
-    self.exit_code = int(exit_code)
-    self._previous_hook = None
+    self.exit_code: int = int(exit_code)
+    self._previous_hook: Callable[..., Any] | None = None
 
   def __enter__(self) -> fail_fast:
     return self
 
-  def __exit__(self, exc_type, exc, tb: TracebackType | None) -> bool:
+  def __exit__(self, exc_type, exc, tb: TracebackType | None) -> Literal[False]:
     if exc_type is None or not _in_distributed_job():
       return False
     if isinstance(exc, SystemExit) and exc.code in (None, 0):
