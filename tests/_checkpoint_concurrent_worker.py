@@ -1,12 +1,11 @@
-"""Worker for tests/test_checkpoint.py: one of several processes saving to the same checkpoint path at once.
+"""Worker for tests/test_checkpoint.py: one of two processes saving to the same checkpoint paths at once.
 
-Usage: python _checkpoint_concurrent_worker.py PATH SEED GO_FILE SAVES MODE
-Writes GO_FILE.ready<SEED> once imported, waits (bounded) until GO_FILE exists, so that the processes
-start saving together, then saves the
-tree of `tree(SEED)` to PATH SAVES times. MODE "overwrite": overwrite=True; "overwrite-rename":
-the same without renameat2 (the portable fallback of ja.checkpoint); "new": overwrite=False, where a
-FileExistsError (another process won) is the expected outcome and is reported, not raised.
-Prints "exists: ..." per refused save, then "saved N", and exits.
+Usage: python _checkpoint_concurrent_worker.py DIR SEED GO_FILE SAVES HOW
+Writes GO_FILE.ready<SEED> once imported and waits (bounded) until GO_FILE exists, so that the
+processes start together. Then saves `tree(SEED)` to DIR/new with overwrite=False (the processes race:
+one wins, the others get FileExistsError, reported as "new: exists"), then SAVES times to DIR/over
+with overwrite=True. HOW "atomic" publishes with renameat2 as ja.checkpoint does on Linux; "fallback"
+without it (the portable path). Prints "new: saved|exists" and "over: saved N", and exits.
 """
 
 import os
@@ -28,7 +27,7 @@ def tree(seed: int):
   return {"w": rng.normal(size=(64, 64)), "b": rng.normal(size=(64,)), "step": np.asarray(seed, np.int64)}
 
 
-def main(path: str, seed: str, go: str, saves: str, mode: str) -> None:
+def main(directory: str, seed: str, go: str, saves: str, how: str) -> None:
   jax.devices()  # the backend up before the start line
   with open(f"{go}.ready{seed}", "w"):
     pass
@@ -37,17 +36,16 @@ def main(path: str, seed: str, go: str, saves: str, mode: str) -> None:
     if time.monotonic() > deadline:
       raise TimeoutError(f"{go} never appeared")
     time.sleep(0.005)
-  if mode == "overwrite-rename":
+  if how == "fallback":
     ja.checkpoint._renameat2 = None  # as on a system without renameat2
-  saved = 0
+  try:
+    ja.checkpoint.save(os.path.join(directory, "new"), tree(int(seed)))
+    print("new: saved", flush=True)
+  except FileExistsError as e:
+    print("new: exists", e, flush=True)
   for _ in range(int(saves)):
-    try:
-      ja.checkpoint.save(path, tree(int(seed)), overwrite=mode.startswith("overwrite"))
-      saved += 1
-    except FileExistsError as e:
-      assert mode == "new", e
-      print("exists:", e, flush=True)
-  print(f"saved {saved}", flush=True)
+    ja.checkpoint.save(os.path.join(directory, "over"), tree(int(seed)), overwrite=True)
+  print(f"over: saved {saves}", flush=True)
 
 
 if __name__ == "__main__":
