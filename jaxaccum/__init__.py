@@ -5,6 +5,7 @@ Public names only; every one lives in the module named after its concept.
 
 from jaxaccum import checkpoint, flax, schedules
 from jaxaccum.accumulate import AccumulateState, accumulate, has_updated
+from jaxaccum.distributed import fail_fast
 from jaxaccum.lowcomm import diloco, local_sgd, stale
 from jaxaccum.microbatch import microbatch, pad_microbatches
 from jaxaccum.noise import (
@@ -52,6 +53,7 @@ __all__ = [
   "schedules",
   "flax",
   "checkpoint",
+  "fail_fast",
 ]
 
 __version__ = "0.1.0"

@@ -35,6 +35,17 @@ so a checkpoint without a manifest was not written by this version of `save`
 (an older jaxaccum, or plain orbax): `restore` reads it unverified and warns
 (`UnverifiedCheckpointWarning`); turn the warning into an error with
 `warnings.simplefilter("error", ja.checkpoint.UnverifiedCheckpointWarning)`.
+A manifest that is there but cannot be read (a dangling link, a directory) is
+damage (`CheckpointCorruptedError`), not a missing manifest.
+
+Publishing. Each save writes into a temporary directory of its own
+(`<path>.jaxaccum-tmp-<pid>-<host>-<random>`) and moves it to `path` with one
+atomic rename (Linux renameat2: RENAME_NOREPLACE, or RENAME_EXCHANGE with
+`overwrite`), so saves racing for one path (two jobs, two processes) never
+touch each other's files: `path` holds one complete, verified checkpoint at
+every moment, and every save either publishes or raises FileExistsError.
+With `overwrite`, a symbolic link at `path` is replaced by the checkpoint, its
+target left as it was.
 
 Many processes (`jax.distributed`): as orbax, all processes call `save` and
 `restore` with the same path on a filesystem they all see. Process 0 hashes the
@@ -47,11 +58,17 @@ verifies the files on restore (each reads the checkpoint once more).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
+import socket
 import warnings
+import zlib
 from typing import Any
 
 import jax
@@ -223,38 +240,193 @@ def _sync(name: str) -> None:
     ocp.multihost.sync_global_processes(name)
 
 
+# --------------------------------------------------------------------------------------------
+# Publishing a checkpoint: a temporary directory of its own per save, then one atomic rename.
+
+
+def _host_id() -> int:
+  """A 32-bit tag of this machine, so that a stale temporary directory is only judged on its own host."""
+  return zlib.crc32(socket.gethostname().encode())
+
+
+def _tmp_path(path: str) -> str:
+  """`<path>.jaxaccum-tmp-<pid>-<host>-<random>`: a name no other save (another process, job or thread) uses.
+
+  Under `jax.distributed` every process must write into the same directory:
+  process 0 draws the name and broadcasts it.
+  """
+  tag = np.asarray([os.getpid(), _host_id() & 0x7FFFFFFF, secrets.randbits(31), secrets.randbits(31)], np.int32)
+  if jax.process_count() > 1:
+    tag = np.asarray(ocp.multihost.broadcast_one_to_all(tag))
+  pid, host, r1, r2 = (int(v) for v in tag)
+  return f"{path}{_TMP_SUFFIX}-{pid}-{host:08x}-{r1:08x}{r2:08x}"
+
+
+def _remove_stale_tmps(path: str) -> None:
+  """Removes temporary directories of earlier saves to `path` whose process (on this host) is gone.
+
+  A save that was killed leaves its `<path>.jaxaccum-tmp-<pid>-...` (and orbax's
+  own `....orbax-checkpoint-tmp*`) behind; a save still running (its process
+  alive, or on another host) is never touched.
+  """
+  parent, base = os.path.split(path)
+  pattern = re.compile(re.escape(base + _TMP_SUFFIX) + r"-(\d+)-([0-9a-f]{8})-[0-9a-f]{16}(\..*)?$")
+  try:
+    names = os.listdir(parent)
+  except OSError:
+    return
+  for name in names:
+    match = pattern.match(name)
+    if not match or int(match.group(2), 16) != _host_id() & 0x7FFFFFFF or _process_alive(int(match.group(1))):
+      continue
+    _remove_entry(os.path.join(parent, name))
+
+
+def _process_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except OSError:  # e.g. EPERM: it exists (another user's)
+    return True
+  return True
+
+
+def _remove_entry(entry: str) -> None:
+  """Removes a directory tree, or a file or a symbolic link itself (never what a link points to)."""
+  if os.path.islink(entry) or not os.path.isdir(entry):
+    try:
+      os.unlink(entry)
+    except FileNotFoundError:
+      pass
+  else:
+    shutil.rmtree(entry, ignore_errors=True)
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE, _AT_FDCWD = 1, 2, -100
+
+
+def _load_renameat2():
+  try:
+    fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28 (Linux)
+  except (AttributeError, OSError, TypeError):
+    return None
+  fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+  fn.restype = ctypes.c_int
+  return fn
+
+
+_renameat2 = _load_renameat2()
+
+
+def _rename(src: str, dst: str, flags: int) -> bool:
+  """renameat2(src, dst, flags): True when done, False where the system or filesystem lacks it; else OSError."""
+  if _renameat2 is None:
+    return False
+  if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+    return False
+  raise OSError(err, os.strerror(err), dst)
+
+
+def _publish(tmp: str, path: str, overwrite: bool) -> None:
+  """Moves the finished checkpoint `tmp` to `path` atomically.
+
+  Without `overwrite`: one rename that fails if anything (a checkpoint, a file,
+  a link, even a dangling one) is at `path`. With it: one atomic exchange of
+  `tmp` and what is at `path` (a symbolic link is exchanged as a link: its
+  target is left alone), then the old entry is removed. Concurrent saves to the
+  same path each exchange in turn, so `path` always holds one complete
+  checkpoint and ends with the last one published. Without renameat2 (not
+  Linux, or a filesystem without it) the old entry is first renamed aside, so
+  `path` is briefly absent; the end state is the same.
+  """
+  appeared = f"path={path!r} appeared while saving (another save?); pass overwrite=True to replace it"
+  if not overwrite:
+    try:
+      if _rename(tmp, path, _RENAME_NOREPLACE):
+        return
+      if os.path.lexists(path):
+        raise FileExistsError(appeared)
+      os.rename(tmp, path)
+    except OSError as e:
+      if isinstance(e, FileExistsError) or e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+        raise FileExistsError(appeared) from None
+      raise
+    return
+  for attempt in range(1000):  # each retry means another save published in between: bounded, and rare
+    try:
+      if _rename(tmp, path, _RENAME_EXCHANGE):
+        _remove_entry(tmp)  # now the old checkpoint (or link, or file)
+        return
+    except FileNotFoundError:  # nothing at `path` to exchange with
+      try:
+        if _rename(tmp, path, _RENAME_NOREPLACE):
+          return
+      except FileExistsError:
+        continue  # another save got there first: exchange with it
+    # No renameat2: move the old entry aside (a name of our own), then rename.
+    aside = f"{tmp}.old{attempt}"
+    try:
+      os.rename(path, aside)
+    except FileNotFoundError:
+      pass
+    try:
+      os.rename(tmp, path)
+    except OSError:  # another save's checkpoint arrived at `path` in between: it is complete; retry
+      continue
+    finally:
+      _remove_entry(aside)
+    return
+  raise OSError(f"could not publish the checkpoint at {path!r}: other saves kept replacing it")
+
+
 def save(path, tree, *, overwrite: bool = False) -> None:
   """Writes `tree` (a pytree of arrays) and its checksums to the directory `path`; returns once on disk.
 
-  orbax writes under `path + ".jaxaccum-tmp"`; the manifest of checksums
+  orbax writes into a temporary directory of this save's own,
+  `<path>.jaxaccum-tmp-<pid>-<host>-<random>`; the manifest of checksums
   (`jaxaccum_manifest.json`, see the module docstring) is added, and only then
-  is the directory renamed to `path`: an interrupted save leaves no checkpoint
-  at `path` (with `overwrite`, the old one is removed just before the rename).
+  is the directory renamed to `path`, in one atomic step: at no time does
+  `path` hold a partial checkpoint. An interrupted save leaves no checkpoint at
+  `path` (its temporary directory is removed by the next save to `path` on the
+  same host once its process is gone; or delete it by hand). Saves to the same
+  path from several processes at once are safe: each writes its own directory,
+  and `path` ends holding one complete checkpoint (with `overwrite`, the one
+  published last; without, the first, the others raising FileExistsError).
+
+  With `overwrite=True`, what is at `path` is replaced as one directory entry: a
+  symbolic link (e.g. `latest -> step_1`) is replaced by the new checkpoint
+  directory and the checkpoint it pointed to is left as it was.
 
   Args:
     path: the checkpoint directory (created; it must not exist unless `overwrite`).
     tree: e.g. `(params, opt_state)`, a `ja.flax.TrainState`, an nnx `State`.
-    overwrite: replace an existing checkpoint at `path`.
+    overwrite: replace what is at `path` (a checkpoint, or a link: the link
+      itself, never its target).
 
   Raises:
-    FileExistsError: `path` exists and `overwrite` is False.
+    FileExistsError: something is at `path` (a dangling link included) and
+      `overwrite` is False, checked before writing and again at the rename.
   """
   path = _path(path)
   if not isinstance(overwrite, bool):
     raise TypeError(f"{overwrite=} must be a bool")
-  if os.path.exists(path) and not overwrite:
+  if os.path.lexists(path) and not overwrite:
     raise FileExistsError(f"{path=} already exists; pass overwrite=True to replace it")
-  tmp = path + _TMP_SUFFIX
-  primary = jax.process_index() == 0
-  if primary and os.path.exists(tmp):  # left by an interrupted save
-    shutil.rmtree(tmp)
-  _sync("jaxaccum_checkpoint_save_start")
   for key_path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     if isinstance(leaf, jax.Array) and leaf.is_deleted():
       raise ValueError(
         f"tree{jax.tree_util.keystr(key_path)} has been deleted (donated to a jitted step?): "
         "save the arrays the step returned, e.g. params, opt_state, metrics = step(...)"
       )
+  tmp = _tmp_path(path)
+  primary = jax.process_index() == 0
+  if primary:
+    _remove_stale_tmps(path)
+  _sync("jaxaccum_checkpoint_save_start")
   leaves = {}
   for name, leaf in _flat(tree).items():
     value = _host_value(leaf)
@@ -264,26 +436,85 @@ def save(path, tree, *, overwrite: bool = False) -> None:
       "shape": list(stored.shape),
       "sha256": None if value is None else _digest(value),
     }
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(tmp, tree, force=True)
-    checkpointer.wait_until_finished()
-  if primary:
-    _write_manifest(tmp, leaves)
-    if os.path.exists(path):
-      shutil.rmtree(path)
-    os.replace(tmp, path)
+  failure: BaseException | None = None
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(tmp, tree, force=True)
+      checkpointer.wait_until_finished()
+    if primary:
+      _write_manifest(tmp, leaves)
+      _publish(tmp, path, overwrite)
+  except BaseException as e:
+    failure = e
+    if primary:  # nothing half-written stays behind: our own temporary directories only
+      _remove_entry(tmp)
+      _remove_orbax_tmps(tmp)  # orbax's own `<tmp>.orbax-checkpoint-tmp*`, our `<tmp>.old*`
+    if jax.process_count() == 1:
+      raise
   _sync("jaxaccum_checkpoint_save_done")  # no process returns before the checkpoint is at `path`
+  if jax.process_count() > 1:
+    published = bool(ocp.multihost.broadcast_one_to_all(np.asarray(failure is None, np.int32)))
+    if failure is not None:
+      raise failure
+    if not published:
+      raise RuntimeError(f"process 0 could not write or publish the checkpoint at {path}; see its error")
+
+
+def _remove_orbax_tmps(tmp: str) -> None:
+  parent, base = os.path.split(tmp)
+  try:
+    names = os.listdir(parent)
+  except OSError:
+    return
+  for name in names:
+    if name.startswith(base + "."):
+      _remove_entry(os.path.join(parent, name))
+
+
+def _default_device() -> jax.Device:
+  """Where a leaf of `like` without a sharding is restored: jax's default device (one of this process's)."""
+  device = jax.config.jax_default_device  # type: ignore[attr-defined]  # a config option, read as an attribute
+  if isinstance(device, jax.Device):
+    return device
+  return jax.local_devices(backend=device if isinstance(device, str) else None)[0]
+
+
+def _concrete_sharding(sharding, path):
+  """`sharding`, with an abstract mesh (from `jax.eval_shape` of sharded arrays) made concrete, or raises."""
+  mesh = getattr(sharding, "mesh", None)
+  if not isinstance(mesh, jax.sharding.AbstractMesh):
+    return sharding
+  current = jax.sharding.get_mesh()
+  if not current.empty and current.abstract_mesh == mesh:
+    return jax.sharding.NamedSharding(current, sharding.spec, memory_kind=sharding.memory_kind)
+  raise ValueError(
+    f"like{jax.tree_util.keystr(tuple(path))} has a sharding over an abstract mesh ({mesh}), as jax.eval_shape gives "
+    "for sharded arrays, which names no devices: restore inside `with jax.set_mesh(mesh):` for that mesh, give "
+    "the leaf a concrete sharding (jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))), or "
+    "none (sharding=None restores to the default device)"
+  )
 
 
 def _abstract(x, path=()):
+  """The target orbax restores a leaf of `like` into; no sharding (numpy, a bare struct): the default device.
+
+  Without this, orbax would take the sharding the checkpoint was saved with:
+  arrays spread over devices the user did not ask for, and "Topology mismatch"
+  in a process with other devices than the saving one.
+  """
   if isinstance(x, jax.ShapeDtypeStruct):
-    return x
+    if x.sharding is None:
+      return jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(_default_device()), weak_type=x.weak_type
+      )
+    sharding = _concrete_sharding(x.sharding, path)
+    return x if sharding is x.sharding else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
   if isinstance(x, (bool, int, float)) or isinstance(x, np.generic) and not hasattr(x, "shape"):
     return x  # a Python scalar (flax's TrainState.step=0): orbax restores it as one
   if isinstance(x, jax.Array):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
   if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy arrays and scalars
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(_default_device()))
   raise TypeError(
     f"like{jax.tree_util.keystr(tuple(path))} is a {type(x).__name__} ({x!r}); restore needs arrays, "
     "Python scalars or jax.ShapeDtypeStruct leaves"
@@ -306,11 +537,16 @@ def _damaged(path: str, what: str) -> CheckpointCorruptedError:
 
 def _read_manifest(path: str) -> dict | None:
   file = os.path.join(path, MANIFEST)
-  if not os.path.exists(file):
+  if not os.path.lexists(file):  # lexists: a dangling link is a manifest that cannot be read, not "no manifest"
     return None
   try:
     with open(file, "rb") as f:
-      manifest = json.loads(f.read().decode("utf-8"))
+      data = f.read()
+  except OSError as e:  # a dangling link, a directory, no permission: the checkpoint cannot be verified
+    reason = "a link to nothing" if os.path.islink(file) and not os.path.exists(file) else e.strerror or str(e)
+    raise _damaged(path, f"its checksum manifest {MANIFEST!r} cannot be read ({reason})") from None
+  try:
+    manifest = json.loads(data.decode("utf-8"))
     body = {k: v for k, v in manifest.items() if k != "sha256"}
     if manifest.get("format") != _FORMAT or manifest.get("sha256") != _manifest_body_sha256(body):
       raise ValueError("checksum")
@@ -392,7 +628,12 @@ def restore(path, like):
     like: a tree of the same structure as the saved one, of arrays or
       `jax.ShapeDtypeStruct`s (e.g. a freshly initialised state, or
       `jax.eval_shape` of its constructor). Restored arrays take each leaf's
-      sharding (a `jax.ShapeDtypeStruct` without one: the default device).
+      sharding; a leaf without one (a numpy array, a `jax.ShapeDtypeStruct`
+      with `sharding=None`) restores to jax's default device, whatever
+      sharding or device count the checkpoint was saved with (e.g. an fsdp
+      checkpoint of 8 devices read in a process with 4). A sharding over an
+      abstract mesh (`jax.eval_shape` of sharded arrays) is used with the mesh
+      set by `jax.set_mesh` when it matches, else refused naming the leaf.
 
   Returns:
     A tree like `like` (same pytree types, static fields from `like`).
@@ -402,7 +643,9 @@ def restore(path, like):
     CheckpointCorruptedError: (a ValueError) a file is missing, truncated or
       differs from its checksum, or a restored leaf's values differ from those
       saved; the message names the file and the leaf. Raised before orbax reads
-      any array from a damaged file.
+      any array from a damaged file. A manifest that exists but cannot be read
+      (a dangling link, a directory, no permission) is damage too, not "no
+      manifest".
     ValueError: the checkpoint's tree differs from `like` (the message names
       the first differing path). In every case the files are left as they were.
 

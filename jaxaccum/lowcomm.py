@@ -327,7 +327,9 @@ def stale(
 
   Raises:
     TypeError/ValueError: `delay` not an int >= 0, `staleness_lr_scale` not a
-      bool; at update time a grads tree that does not match the buffer.
+      bool; at update time (any `delay`, 0 included) a state not made by this
+      `init`, or a grads tree that does not match the params given to `init`
+      (the message names the leaves).
   """
   inner = _tree.check_optimizer(inner, "inner")
   if isinstance(delay, (bool, np.bool_)) or not isinstance(delay, numbers.Integral):
@@ -347,10 +349,15 @@ def stale(
     )
 
   def update(grads, state, params=None, **extra_args):
+    if not isinstance(state, StaleState):
+      raise TypeError(f"state must be a StaleState (made by this stale's init(params)), got {_tree.describe(state)}")
+    # The buffer holds one (delay, *shape) leaf per parameter, also for delay=0 (size 0): check the
+    # grads against it as accumulate does against its accumulator, whatever the delay.
+    slots = jax.tree.map(lambda b: jax.ShapeDtypeStruct(jnp.shape(b)[1:], b.dtype), state.buffer)
+    _tree.check_same_structure(grads, slots, "grads", "the buffered gradients (the params given to init)")
     if delay == 0:
       updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
       return updates, state._replace(inner_state=inner_state)
-    _tree.check_same_structure(grads, jax.tree.map(lambda b: b[0], state.buffer), "grads", "the buffered gradients")
     grads = jax.tree.map(jnp.asarray, grads)  # optax accepts Python scalars as leaves
     # Read the oldest gradient, then overwrite its slot with the newest: the
     # read is scheduled before the in-place write, so the buffer is not copied.

@@ -73,6 +73,10 @@ class NoiseScale(NamedTuple):
   """The measured gradient noise scale and its two terms (EMA-smoothed, bias-corrected).
 
   All three are NaN until a window with at least two microbatches was measured.
+  Once measured, `b_simple` is 0 wherever `trace_cov` is exactly 0, including
+  when `grad_sq` is 0 too (every measured gradient was zero, e.g. frozen
+  parameters or a loss at an exact minimum: no noise, so any batch is as good as
+  the smallest), rather than 0/0 = NaN, which keeps meaning "nothing measured".
   """
 
   b_simple: jax.Array  # tr(Sigma) / |G|^2, in units of weight (examples when weights are example counts).
@@ -187,6 +191,13 @@ def _find_states(state) -> list[NoiseScaleState]:
   return found
 
 
+def _b_simple(grad_sq, trace_cov):
+  """tr(Sigma) / |G|^2, defined as 0 where tr(Sigma) is exactly 0 (no noise: 0/0 would be NaN)."""
+  zero = jnp.zeros_like(trace_cov)
+  safe = jnp.where(trace_cov == 0, jnp.ones_like(grad_sq), grad_sq)
+  return jnp.where(trace_cov == 0, zero, trace_cov / safe)
+
+
 def noise_scale(state) -> NoiseScale:
   """The measured noise scale held in `state`.
 
@@ -199,6 +210,8 @@ def noise_scale(state) -> NoiseScale:
   Returns:
     `NoiseScale(b_simple, grad_sq, trace_cov)`: the bias-corrected averages and
     their ratio; all NaN while no window with K >= 2 has been measured.
+    `b_simple` is 0 where `trace_cov` is exactly 0 (windows of zero gradients
+    give 0 for both: no noise, not 0/0 = NaN).
 
   Raises:
     ValueError: `state` holds no noise statistics (tracking not turned on), or
@@ -218,15 +231,18 @@ def noise_scale(state) -> NoiseScale:
   nan = jnp.full_like(s.norm, jnp.nan)
   grad_sq = jnp.where(measured, s.grad_sq / norm, nan)
   trace_cov = jnp.where(measured, s.trace_cov / norm, nan)
-  return NoiseScale(b_simple=trace_cov / grad_sq, grad_sq=grad_sq, trace_cov=trace_cov)
+  return NoiseScale(b_simple=_b_simple(grad_sq, trace_cov), grad_sq=grad_sq, trace_cov=trace_cov)
 
 
 def step_estimate(grad_sq, trace_cov, valid) -> NoiseScale:
-  """One window's (or one step's) raw estimates as a `NoiseScale`; NaN where not `valid`."""
+  """One window's (or one step's) raw estimates as a `NoiseScale`; NaN where not `valid`.
+
+  As in `noise_scale`, `b_simple` is 0 where a valid `trace_cov` is exactly 0.
+  """
   nan = jnp.full_like(grad_sq, jnp.nan)
   grad_sq = jnp.where(valid, grad_sq, nan)
   trace_cov = jnp.where(valid, trace_cov, nan)
-  return NoiseScale(b_simple=trace_cov / grad_sq, grad_sq=grad_sq, trace_cov=trace_cov)
+  return NoiseScale(b_simple=_b_simple(grad_sq, trace_cov), grad_sq=grad_sq, trace_cov=trace_cov)
 
 
 def noise_scale_smooth(ema: NoiseScaleState | None, estimate: NoiseScale, decay: float) -> NoiseScaleState:
@@ -291,11 +307,25 @@ def adascale_gain(grad_sq, trace_cov, batch_weight, scale) -> jax.Array:
 
 
 def _check_scale_value(value, name: str) -> None:
-  value = np.asarray(value)
-  if value.ndim != 0 or not np.issubdtype(value.dtype, np.number) or value.dtype == np.bool_:
+  """Raises naming `name` unless `value` is a real scalar >= 1; a traced value is checked for type only."""
+  if isinstance(value, (str, bytes)) or value is None:
     raise TypeError(f"{name}={value!r} must be a real number >= 1")
-  if not (float(value) >= 1.0) or not np.isfinite(float(value)):
-    raise ValueError(f"{name}={float(value)!r} must be a finite number >= 1")
+  try:
+    dtype, ndim = np.dtype(jnp.result_type(value)), jnp.ndim(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{name}={value!r} must be a real number >= 1, got {type(value).__name__}") from None
+  if ndim != 0 or not np.issubdtype(dtype, np.number) or dtype == np.bool_ or np.issubdtype(dtype, np.complexfloating):
+    raise TypeError(f"{name}={value!r} must be a real number >= 1 (a scalar), got {dtype}{list(jnp.shape(value))}")
+  if not _tree.is_concrete(value):
+    return  # traced: clamped to >= 1 where it is used (nothing can raise inside jit)
+  value = float(np.asarray(value))
+  if not (value >= 1.0) or not np.isfinite(value):
+    raise ValueError(f"{name}={value!r} must be a finite number >= 1")
+
+
+def _scale_at_least_one(s):
+  """S clamped to [1, inf): a traced scale (or a schedule's traced value) below 1 or NaN is taken as 1."""
+  return jnp.where(s >= 1, s, jnp.ones_like(s))
 
 
 def adascale(
@@ -342,7 +372,11 @@ def adascale(
       when `learning_rate` is None).
     scale: S, the number of base batches in one update: a number >= 1, or a
       schedule f(update_count) of the updates made. The base batch is then
-      batch_weight / S.
+      batch_weight / S. A concrete value below 1 (or NaN, or not finite) is
+      refused with an error naming `scale` (a schedule's: `scale(<count>)`);
+      a traced value (a `scale` made inside jit, or a schedule's value under
+      jit) cannot raise, so one below 1 or NaN is taken as 1: the gain stays
+      in [1, S], never shrinking the learning rate.
     base_batch_size: instead of `scale`: the base batch b0 in units of weight;
       S = batch_weight / b0 follows the window's weight, which suits a growing
       window (`every_k_from_noise_scale`) and unequal microbatches.
@@ -356,10 +390,12 @@ def adascale(
     over it, generally not 1).
 
   Raises:
-    ValueError/TypeError: not exactly one of `scale` and `base_batch_size`, a
-      concrete scale < 1, a base_batch_size that is not > 0, or (at update
-      time) missing statistics.
+    ValueError/TypeError: `inner` not an optimizer, not exactly one of
+      `scale` and `base_batch_size`, a concrete scale < 1 (at update time: a
+      schedule's concrete value < 1), a base_batch_size that is not > 0, or
+      (at update time) missing statistics.
   """
+  inner = _tree.check_optimizer(inner, "inner")
   if (scale is None) == (base_batch_size is None):
     raise ValueError(f"adascale needs exactly one of scale and base_batch_size, got {scale=}, {base_batch_size=}")
   if scale is not None and not callable(scale):
@@ -398,9 +434,12 @@ def adascale(
     if base_batch_size is not None:
       s = jnp.asarray(batch_weight, float_dtype) / base_batch_size
     elif callable(scale):
-      s = jnp.asarray(scale(state.update_count), float_dtype)
+      value = scale(state.update_count)
+      at = int(state.update_count) if _tree.is_concrete(state.update_count) else "update_count"
+      _check_scale_value(value, f"scale({at})")  # a concrete value below 1 is refused; a traced one clamped
+      s = _scale_at_least_one(jnp.asarray(value, float_dtype))
     else:
-      s = jnp.asarray(scale, float_dtype)
+      s = _scale_at_least_one(jnp.asarray(scale, float_dtype))
     r = adascale_gain(noise_scale.grad_sq, noise_scale.trace_cov, batch_weight, s).astype(float_dtype)
     if learning_rate is None:
       factor = r

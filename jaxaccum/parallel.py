@@ -217,10 +217,22 @@ def psum(axis_name, *, comm_dtype=None) -> optax.GradientTransformationExtraArgs
 
 
 def data_mesh(axis_name: str = "data", devices=None) -> Mesh:
-  """A one-dimensional mesh over `devices` (default: every device of every process)."""
+  """A one-dimensional mesh over `devices` (default: every device of every process).
+
+  `devices` is a sequence of jax Devices (e.g. `jax.devices()[:4]`); one device
+  alone is written `[device]`. Anything else is a TypeError naming `devices`.
+  """
   if not isinstance(axis_name, str) or not axis_name:
     raise TypeError(f"{axis_name=} must be a non-empty string")
   given = devices
+  if isinstance(devices, jax.Device):
+    raise TypeError(
+      f"devices={devices!r} is one device; devices must be a sequence of jax Devices: pass devices=[{devices!r}]"
+    )
+  if devices is not None and (isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__")):
+    raise TypeError(
+      f"devices={devices!r} must be a sequence of jax Devices (e.g. jax.devices()), got {type(devices).__name__}"
+    )
   devices = jax.devices() if devices is None else list(devices)
   if not devices:
     raise ValueError(f"devices={given!r} must name at least one device")
@@ -258,6 +270,11 @@ def shard_batch(batch, mesh: Mesh, axis_name: str | tuple[str, ...] = "data"):
     axis_name: the mesh axis the rows are split over, or a tuple of axes (e.g.
       `("replica", "shard")` for `strategy="hsdp"`): rows are split over their
       product, the first axis major.
+
+  Raises:
+    ValueError: a leaf is a scalar, has 0 rows (an empty batch, refused as
+      `make_train_step` refuses it), or rows not divisible by this process's
+      shards; the message names the leaf.
   """
   if isinstance(axis_name, tuple):
     validate_axis_name(axis_name)
@@ -277,6 +294,11 @@ def shard_batch(batch, mesh: Mesh, axis_name: str | tuple[str, ...] = "data"):
     x = np.asarray(x) if not isinstance(x, jax.Array) else x
     if x.ndim == 0:
       raise ValueError(f"batch{jax.tree_util.keystr(path)} is a scalar; every batch leaf needs a leading batch axis")
+    if x.shape[0] == 0:  # as make_train_step refuses an empty batch: 0 rows are nothing to train on
+      raise ValueError(
+        f"batch{jax.tree_util.keystr(path)} has 0 rows on this process: the batch is empty, there is nothing to "
+        "shard (make_train_step refuses an empty batch too)"
+      )
     if x.shape[0] % local_share:
       raise ValueError(
         f"batch{jax.tree_util.keystr(path)} has {x.shape[0]} local rows, not divisible by the "

@@ -65,7 +65,11 @@ class PiecewiseSchedule:
     self._name = name
 
   def __call__(self, update_count):
-    """The k for the update that follows `update_count` completed updates."""
+    """The k for the update that follows `update_count` completed updates.
+
+    `update_count` is an integer >= 0 (a Python int, or an integer array);
+    anything else (a string, None, a float) is a TypeError naming it.
+    """
     if isinstance(update_count, numbers.Integral) and not isinstance(update_count, (bool, np.bool_)):
       update_count = int(update_count)
       if update_count < 0:
@@ -318,7 +322,14 @@ def _check_k(k, name: str) -> int:
 
 
 def _check_count_array(update_count) -> jax.Array:
-  count = jnp.asarray(update_count)
+  if isinstance(update_count, (str, bytes)) or update_count is None:
+    raise TypeError(f"update_count={update_count!r} must be an integer >= 0, got {type(update_count).__name__}")
+  try:
+    count = jnp.asarray(update_count)
+  except (TypeError, ValueError):  # e.g. a list of strings, an object: jax's message would not name the argument
+    raise TypeError(
+      f"update_count={update_count!r} must be an integer >= 0, got {type(update_count).__name__}"
+    ) from None
   if not jnp.issubdtype(count.dtype, jnp.integer) or count.dtype == jnp.bool_:
     raise TypeError(f"update_count={update_count!r} must be an integer, got dtype {count.dtype}")
   if _tree.is_concrete(count) and bool(jnp.any(count < 0)):

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+import warnings
 
 import chex
 import jax
@@ -336,3 +338,180 @@ def test_saving_a_donated_array_names_the_leaf(tmp_path):
   with pytest.raises(ValueError, match=r"tree\['w'\] has been deleted \(donated"):
     ja.checkpoint.save(tmp_path / "c", params)
   assert not os.path.exists(tmp_path / "c")
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 22: faults.
+
+CONCURRENT_WORKER = os.path.join(TESTS_DIR, "_checkpoint_concurrent_worker.py")
+
+
+def _leftovers(directory, keep):
+  return sorted(n for n in os.listdir(directory) if n not in keep and not n.startswith("go"))
+
+
+def test_concurrent_saves_to_one_path_leave_one_complete_checkpoint_and_every_process_exits(tmp_path):
+  """Two processes saving to the same paths at once (before: they deleted each other's temporary directory, so
+  a loser raised from inside orbax and could hang at exit, or the winner published a checkpoint failing
+  verification). One publishes with renameat2, the other through the portable fallback."""
+  import _checkpoint_concurrent_worker as worker  # noqa: PLC0415
+
+  go = tmp_path / "go"
+  runs = [(1, "atomic"), (2, "fallback")]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, CONCURRENT_WORKER, str(tmp_path), str(seed), str(go), "4", how],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for seed, how in runs
+  ]
+  try:
+    deadline = time.monotonic() + 120
+    while not all(os.path.exists(f"{go}.ready{seed}") for seed, _ in runs):
+      assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [p.poll() for p in procs]
+      time.sleep(0.05)
+    go.touch()  # both start saving together
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+  finally:
+    for p in procs:  # every process exits (a hang is killed and fails the test)
+      if p.poll() is None:
+        p.kill()
+        p.wait(timeout=10)
+  for (seed, how), p, log in zip(runs, procs, logs, strict=True):
+    assert p.returncode == 0 and "over: saved 4" in log, f"worker {seed} ({how}) failed:\n{log[-3000:]}"
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ja.checkpoint.UnverifiedCheckpointWarning)  # verified, manifest and all
+    like = worker.tree(0)
+    over = ja.checkpoint.restore(tmp_path / "over", like)
+    new = ja.checkpoint.restore(tmp_path / "new", like)
+  # With overwrite the path holds one complete checkpoint of one of the savers (the last published), bit for bit.
+  assert int(over["step"]) in (1, 2)
+  chex.assert_trees_all_equal(over, worker.tree(int(over["step"])))
+  # Without overwrite exactly one save wins, and it is what the path holds; the other is a FileExistsError.
+  won = [seed for (seed, _), log in zip(runs, logs, strict=True) if "new: saved" in log]
+  assert len(won) == 1 and sum("new: exists" in log for log in logs) == 1, logs
+  chex.assert_trees_all_equal(new, worker.tree(won[0]))
+  assert _leftovers(tmp_path, {"over", "new"}) == []  # no temporary directory left behind
+
+
+def test_save_over_a_symlink_replaces_the_link_and_leaves_its_target(tmp_path, monkeypatch):
+  """`latest -> step_1` with overwrite=True (before: the whole checkpoint written, then "Cannot call rmtree on a
+  symbolic link", naming no path, and `latest.jaxaccum-tmp` left behind)."""
+  one, two, three = ({"w": jnp.full(3, float(i))} for i in (1, 2, 3))
+  ja.checkpoint.save(tmp_path / "step_1", one)
+  before = _digest(tmp_path / "step_1")
+  os.symlink(tmp_path / "step_1", tmp_path / "latest")
+  ja.checkpoint.save(tmp_path / "latest", two, overwrite=True)
+  assert not os.path.islink(tmp_path / "latest") and os.path.isdir(tmp_path / "latest")
+  chex.assert_trees_all_equal(ja.checkpoint.restore(tmp_path / "latest", one), two)
+  assert _digest(tmp_path / "step_1") == before  # the link's target is untouched
+  chex.assert_trees_all_equal(ja.checkpoint.restore(tmp_path / "step_1", one), one)
+  assert sorted(os.listdir(tmp_path)) == ["latest", "step_1"]
+  # The same without renameat2 (the portable fallback).
+  os.symlink(tmp_path / "step_1", tmp_path / "latest2")
+  monkeypatch.setattr(ja.checkpoint, "_renameat2", None)
+  ja.checkpoint.save(tmp_path / "latest2", three, overwrite=True)
+  assert not os.path.islink(tmp_path / "latest2")
+  chex.assert_trees_all_equal(ja.checkpoint.restore(tmp_path / "latest2", one), three)
+  assert _digest(tmp_path / "step_1") == before
+  assert sorted(os.listdir(tmp_path)) == ["latest", "latest2", "step_1"]
+  # Without overwrite, a link (even a dangling one) is something at `path`: refused before writing.
+  os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+  with pytest.raises(FileExistsError, match=r"dangling'.* already exists; pass overwrite=True"):
+    ja.checkpoint.save(tmp_path / "dangling", one)
+  assert sorted(os.listdir(tmp_path)) == ["dangling", "latest", "latest2", "step_1"]
+
+
+def test_a_failed_save_leaves_nothing_behind_and_stale_temporaries_are_removed(tmp_path, monkeypatch):
+  params = {"w": jnp.ones(3)}
+
+  def fail(*args):
+    raise OSError("disk full")
+
+  with monkeypatch.context() as m:
+    m.setattr(ja.checkpoint, "_write_manifest", fail)
+    with pytest.raises(OSError, match="disk full"):
+      ja.checkpoint.save(tmp_path / "ck", params)
+  assert os.listdir(tmp_path) == []
+  # A killed save's temporary directory (its process gone) is removed by the next save to that path; a
+  # running one (its process alive) is left alone.
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+  host = ja.checkpoint._host_id() & 0x7FFFFFFF
+  stale = tmp_path / f"ck.jaxaccum-tmp-{int(dead.stdout)}-{host:08x}-{'0' * 16}"
+  running = tmp_path / f"ck.jaxaccum-tmp-{os.getpid()}-{host:08x}-{'1' * 16}"
+  for d in (stale, running, tmp_path / f"{stale.name}.orbax-checkpoint-tmp-123"):
+    (d / "d").mkdir(parents=True)
+  ja.checkpoint.save(tmp_path / "ck", params)
+  assert sorted(os.listdir(tmp_path)) == ["ck", running.name]
+
+
+def test_restore_into_structs_or_numpy_goes_to_the_default_device(tmp_path):
+  """A leaf of `like` without a sharding restores to the default device, as documented (before: to the saved
+  sharding over 8 devices; in a process with other devices, orbax's "Topology mismatch")."""
+  mesh = jax.make_mesh((8,), ("data",))
+  tree = lambda: {"w": jnp.arange(64.0).reshape(16, 4), "b": jnp.arange(8.0)}  # noqa: E731
+  sharded = jax.device_put(tree(), jax.NamedSharding(mesh, jax.P("data")))  # as fsdp lays it out
+  ja.checkpoint.save(tmp_path / "fsdp", sharded)
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  for like in (jax.eval_shape(tree), jax.tree.map(np.asarray, tree())):
+    restored = ja.checkpoint.restore(tmp_path / "fsdp", like)
+    chex.assert_trees_all_equal(restored, tree())
+    for leaf in jax.tree.leaves(restored):
+      assert leaf.sharding == default, leaf.sharding
+  # jax.eval_shape of sharded arrays gives shardings over an abstract mesh: no devices to restore to.
+  abstract = jax.eval_shape(lambda t: t, sharded)
+  with pytest.raises(ValueError, match=r"like\['b'\] has a sharding over an abstract mesh"):
+    ja.checkpoint.restore(tmp_path / "fsdp", abstract)
+  with jax.set_mesh(mesh):  # ... unless the mesh it abstracts is set
+    restored = ja.checkpoint.restore(tmp_path / "fsdp", abstract)
+  chex.assert_trees_all_equal(restored, tree())
+  assert restored["w"].sharding.is_equivalent_to(sharded["w"].sharding, 2)
+
+  # The issue's case: the 8-device checkpoint restored in a process with 4 devices.
+  script = textwrap.dedent(f"""
+      import jax, jax.numpy as jnp, numpy as np
+      jax.config.update("jax_num_cpu_devices", 4)
+      jax.config.update("jax_enable_x64", True)
+      import jaxaccum as ja
+      tree = lambda: {{"w": jnp.arange(64.0).reshape(16, 4), "b": jnp.arange(8.0)}}
+      for like in (jax.eval_shape(tree), jax.tree.map(np.asarray, tree())):
+        restored = ja.checkpoint.restore({str(tmp_path / "fsdp")!r}, like)
+        assert all(leaf.sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                   for leaf in jax.tree.leaves(restored)), restored
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(tree())))
+      print("ok")
+  """)
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "JAX_"))}
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+  assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_an_unreadable_manifest_is_corruption_not_a_missing_one(tmp_path):
+  """A manifest that is a dangling link (or a directory) cannot be read: the checkpoint is damaged (before: it
+  counted as "no manifest", restore only warned and returned unverified data)."""
+  params = {"w": jnp.ones(3)}
+  path = tmp_path / "ck"
+  ja.checkpoint.save(path, params)
+  manifest = path / ja.checkpoint.MANIFEST
+  os.rename(manifest, tmp_path / "moved.json")
+  os.symlink(tmp_path / "nowhere.json", manifest)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ja.checkpoint.UnverifiedCheckpointWarning)
+    with pytest.raises(
+      ja.checkpoint.CheckpointCorruptedError,
+      match=rf"checkpoint at {path} is damaged: its checksum manifest 'jaxaccum_manifest.json' cannot be read "
+      r"\(a link to nothing\)",
+    ):
+      ja.checkpoint.restore(path, params)
+    os.unlink(manifest)
+    manifest.mkdir()
+    with pytest.raises(
+      ja.checkpoint.CheckpointCorruptedError, match=r"manifest 'jaxaccum_manifest.json' cannot be read"
+    ):
+      ja.checkpoint.restore(path, params)
+  assert os.path.islink(manifest) is False and manifest.is_dir()  # restore changed nothing
+  manifest.rmdir()
+  os.rename(tmp_path / "moved.json", manifest)
+  chex.assert_trees_all_equal(ja.checkpoint.restore(path, params), params)

@@ -426,3 +426,21 @@ def test_model_sharded_parameters_under_explicit_mesh_axes(make):
   for _ in range(3):
     p_pm, s_pm = pm(p_pm, s_pm, shards)
   _close(p_sm, p_pm)
+
+
+@pytest.mark.parametrize("delay", [0, 2])
+def test_stale_checks_the_grads_tree_against_its_state_whatever_the_delay(delay):
+  """Issue 22: delay=0 took any grads tree (inner's update then failed, or silently broadcast)."""
+  params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+  tx = ja.stale(optax.sgd(0.1), delay)
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"grads does not match the buffered gradients.*lacks the leaves \['b'\]"):
+    tx.update({"w": jnp.ones((3, 2))}, state, params)
+  with pytest.raises(
+    ValueError, match=r"grads does not match the buffered gradients.* at \['w'\]: shape \(2,\) != \(3, 2\)"
+  ):
+    tx.update({"w": jnp.ones(2), "b": jnp.zeros(2)}, state, params)
+  with pytest.raises(TypeError, match=r"state must be a StaleState.*got tuple"):
+    tx.update(params, optax.sgd(0.1).init(params), params)
+  updates, _ = tx.update(params, state, params)  # the matching tree still works
+  assert jax.tree.structure(updates) == jax.tree.structure(params)

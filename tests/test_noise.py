@@ -632,3 +632,68 @@ def test_make_train_step_noise_scale_adds_no_collective():
     counts.append(_hlo.all_reduce_sizes(step.lower(params, optax.sgd(0.1).init(params), x).compile().as_text()))
   assert counts[1][0] == counts[0][0], counts
   assert counts[1][1] == counts[0][1] + 2, counts
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 22: bad input and faults.
+
+
+@pytest.mark.parametrize("bad", [None, optax.sgd, "sgd"], ids=["None", "factory", "str"])
+def test_adascale_names_a_bad_inner(bad):
+  with pytest.raises(TypeError, match=r"inner="):
+    noise.adascale(bad, scale=2)
+
+
+def _one_update(ada, g2=1.0, tr=32.0, batch_weight=128.0, jit=False):
+  params = {"w": jnp.ones(3)}
+  update = jax.jit(ada.update) if jit else ada.update
+  measured = noise.NoiseScale(jnp.asarray(tr / g2), jnp.asarray(g2), jnp.asarray(tr))
+  return update({"w": jnp.ones(3)}, ada.init(params), params, noise_scale=measured, batch_weight=batch_weight)
+
+
+@pytest.mark.parametrize("value", [0.5, -1.0, float("nan")])
+def test_adascale_scale_schedule_below_one_is_refused_or_clamped(value):
+  # A concrete value (eager, or a constant schedule under jit) is refused, naming the schedule's call.
+  with pytest.raises(ValueError, match=r"scale\(0\)="):
+    _one_update(noise.adascale(optax.sgd(0.1), scale=lambda count: value))
+  with pytest.raises(ValueError, match=r"scale\(update_count\)="):
+    _one_update(noise.adascale(optax.sgd(0.1), scale=lambda count: value), jit=True)
+  # A traced value below 1 cannot raise: it is taken as 1, so the gain is 1 (never below: the
+  # learning rate is not shrunk).
+  traced = noise.adascale(optax.sgd(0.1), scale=lambda count: value + 0.0 * count)
+  updates, state = _one_update(traced, jit=True)
+  assert float(state.gain) == 1.0
+  np.testing.assert_array_equal(updates["w"], -0.1 * np.ones(3))
+
+
+def test_adascale_traced_scale_works_and_is_clamped():
+  def run(s):
+    return _one_update(noise.adascale(optax.sgd(0.1), scale=s))
+
+  want_u, want_state = run(8.0)
+  got_u, got_state = jax.jit(run)(jnp.asarray(8.0))
+  np.testing.assert_allclose(float(got_state.gain), plain_gain(1.0, 32.0, 128.0, 8.0), rtol=RTOL)
+  chex.assert_trees_all_close((got_u, got_state.gain), (want_u, want_state.gain), rtol=RTOL)
+  _, low = jax.jit(run)(jnp.asarray(0.5))  # below 1, traced: taken as 1
+  assert float(low.gain) == 1.0
+  with pytest.raises(TypeError, match=r"scale=.* must be a real number >= 1 \(a scalar\)"):
+    jax.jit(run)(jnp.asarray([2.0, 3.0]))
+  with pytest.raises(TypeError, match=r"scale=.* must be a real number >= 1"):
+    jax.jit(run)(jnp.asarray(True))
+
+
+def test_b_simple_after_windows_of_zero_gradients_is_zero_not_nan():
+  """Zero gradients measure |G|^2 = 0 and tr(Sigma) = 0: no noise, B_simple = 0 (NaN means "not measured")."""
+  params = {"w": jnp.zeros(3)}
+  tx = ja.accumulate(optax.sgd(0.1), 2, noise_scale_ema=0.9)
+  state = tx.init(params)
+  assert np.isnan(float(noise.noise_scale(state).b_simple))  # nothing measured yet
+  for _ in range(4):
+    _, state = tx.update({"w": jnp.zeros(3)}, state, params)
+  measured = noise.noise_scale(state)
+  assert int(state.noise_stats.windows) == 2
+  assert (float(measured.grad_sq), float(measured.trace_cov), float(measured.b_simple)) == (0.0, 0.0, 0.0)
+  # The one-step estimate (make_train_step's metrics) reads the same.
+  zero = jnp.zeros([])
+  assert float(noise.step_estimate(zero, zero, jnp.asarray(True)).b_simple) == 0.0
+  assert np.isnan(float(noise.step_estimate(zero, zero, jnp.asarray(False)).b_simple))

@@ -182,3 +182,23 @@ def test_shard_batch_takes_a_tuple_of_axes_for_hsdp():
     ja.shard_batch({"x": x[:6]}, mesh, ("replica", "shard"))
   with pytest.raises(ValueError, match="names an axis twice"):
     ja.shard_batch({"x": x}, mesh, ("shard", "shard"))
+
+
+def test_data_mesh_names_devices_when_given_one_device_or_a_non_sequence():
+  """Issue 22: one device (not a list) raised "'Device' object is not iterable", naming nothing."""
+  one = jax.devices()[0]
+  with pytest.raises(TypeError, match=r"devices=.* is one device.*pass devices=\["):
+    ja.data_mesh(devices=one)
+  for bad in ("cpu", 3):
+    with pytest.raises(TypeError, match=rf"devices={bad!r} must be a sequence of jax Devices"):
+      ja.data_mesh(devices=bad)
+  assert ja.data_mesh(devices=[one]).devices.tolist() == [one]
+
+
+def test_shard_batch_refuses_an_empty_batch_as_make_train_step_does():
+  """Issue 22: a zero-row batch came back as empty arrays; make_train_step refuses it."""
+  mesh = ja.data_mesh()
+  with pytest.raises(ValueError, match=r"batch\['x'\] has 0 rows.*empty"):
+    ja.shard_batch({"x": np.zeros((0, 3)), "y": np.zeros((0,))}, mesh)
+  with pytest.raises(ValueError, match=r"batch\[1\] has 0 rows"):
+    ja.shard_batch((jnp.zeros((8, 3)), jnp.zeros((0,))), mesh)

@@ -217,6 +217,13 @@ def test_noise_scale_values():
     (lambda: schedules.microbatches_consumed(3, 5), TypeError, "schedule=3"),
     (lambda: schedules.microbatches_consumed(schedules.constant(2), -1), ValueError, "update_count=-1"),
     (lambda: schedules.microbatches_consumed(lambda u: 2, jnp.int32(3)), TypeError, "update_count"),
+    # Issue 22: a string or None named no argument (jax's own "not a valid JAX array type").
+    (lambda: schedules.constant(2)("3"), TypeError, r"update_count='3' must be an integer"),
+    (lambda: schedules.constant(2)(None), TypeError, r"update_count=None must be an integer"),
+    (lambda: schedules.piecewise({0: 1, 5: 4})(["1"]), TypeError, r"update_count=\['1'\] must be an integer"),
+    (lambda: schedules.from_lr_decay(1, {3: 0.5})(b"3"), TypeError, r"update_count=b'3' must be an integer"),
+    (lambda: schedules.microbatches_consumed(schedules.constant(2), "3"), TypeError, r"update_count='3'"),
+    (lambda: schedules.microbatches_consumed(schedules.constant(2), None), TypeError, r"update_count=None"),
   ],
 )
 def test_bad_input(call, error, name):
