@@ -424,6 +424,8 @@ def micro_vmap(
         w = jax.vmap(lambda *r: _row_weight(weight_fn, list(r)), in_axes=weight_axes)(*rows)
         w = w.astype(jnp.result_type(w.dtype, jnp.float32))
         wsum = jnp.sum(w)
+      if axis_name is not None:  # a count of rows is the same on every device: mark it as this device's own
+        wsum = parallel.to_varying(wsum, axis_name)
       concat = [o if w is None else _zero_where(w, o) for o, r in zip(leaves, reds, strict=True) if r == "concat"]
       summed = [_weighted_rows_sum(w, o) for o, r in zip(leaves, reds, strict=True) if r != "concat"]
       return concat, summed, wsum
