@@ -33,12 +33,13 @@ import functools
 import inspect
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxaccum import _tree, parallel
 
@@ -50,16 +51,70 @@ def _check_int_arg(value, name: str) -> int:
   return int(value)
 
 
-def _normalize_argnums(batch_argnums) -> tuple[int, ...]:
+def _normalize_argnums(batch_argnums, allow_empty: bool = False) -> tuple[int, ...]:
   if isinstance(batch_argnums, numbers.Integral) and not isinstance(batch_argnums, (bool, np.bool_)):
     return (int(batch_argnums),)
   if (
     isinstance(batch_argnums, (tuple, list))
-    and batch_argnums
+    and (batch_argnums or allow_empty)
     and all(isinstance(a, numbers.Integral) and not isinstance(a, (bool, np.bool_)) for a in batch_argnums)
   ):
     return tuple(int(a) for a in batch_argnums)
-  raise TypeError(f"{batch_argnums=} must be an int or a non-empty tuple of ints")
+  raise TypeError(f"{batch_argnums=} must be an int or a non-empty tuple of ints (or () with argnames)")
+
+
+def _normalize_argnames(argnames) -> tuple[str, ...]:
+  names = (argnames,) if isinstance(argnames, str) else argnames
+  if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) and n for n in names):
+    raise TypeError(f"{argnames=} must be a keyword argument name or a tuple of them")
+  if len(set(names)) != len(names):
+    raise ValueError(f"{argnames=} names the same argument twice")
+  return tuple(names)
+
+
+def _normalize_in_axes(in_axes, n: int) -> tuple[int, ...]:
+  if isinstance(in_axes, numbers.Integral) and not isinstance(in_axes, (bool, np.bool_)):
+    return (int(in_axes),) * n
+  if (
+    isinstance(in_axes, (tuple, list))
+    and len(in_axes) == n
+    and all(isinstance(a, numbers.Integral) and not isinstance(a, (bool, np.bool_)) for a in in_axes)
+  ):
+    return tuple(int(a) for a in in_axes)
+  raise TypeError(f"{in_axes=} must be an int or one int per batch argument ({n}: batch_argnums, then argnames)")
+
+
+def _check_num_real(n, k: int) -> None:
+  if n is None:
+    return
+  if isinstance(n, (bool, np.bool_)) or not (isinstance(n, numbers.Integral) or hasattr(n, "dtype")):
+    raise TypeError(f"num_real_microbatches={n!r} must be None, an int or an integer scalar array")
+  if hasattr(n, "dtype") and (np.shape(n) != () or not jnp.issubdtype(n.dtype, jnp.integer)):
+    raise TypeError(f"num_real_microbatches must be an integer scalar, got shape {np.shape(n)} dtype {n.dtype}")
+  if _tree.is_concrete(n) and not 0 <= int(n) <= k:
+    raise ValueError(f"num_real_microbatches={int(n)} must be between 0 and num_microbatches={k}")
+
+
+def check_accumulator_dtype(accumulator_dtype) -> None:
+  if accumulator_dtype is None:
+    return
+  try:
+    acc_dtype = jnp.dtype(accumulator_dtype)
+  except TypeError:
+    raise TypeError(f"{accumulator_dtype=} is not a dtype") from None
+  if not jnp.issubdtype(acc_dtype, jnp.floating):
+    # An integer running sum would truncate every term: 1.72 comes back as 1.5.
+    raise ValueError(f"{accumulator_dtype=} must be a floating dtype (e.g. jnp.float32)")
+
+
+def check_skip_empty(skip_empty, weight_fn) -> None:
+  if not isinstance(skip_empty, bool):
+    raise TypeError(f"{skip_empty=} must be a bool")
+  if skip_empty and weight_fn is None:
+    raise ValueError(
+      f"{skip_empty=} needs a weight_fn: a microbatch is empty when its weight is 0 "
+      "(e.g. weight_fn=lambda b: b['mask'].sum())"
+    )
 
 
 def _resolve(argnums: tuple[int, ...], nargs: int, name: str, value) -> tuple[int, ...]:
@@ -96,6 +151,31 @@ def leading_size(batches, name: str = "batch") -> int:
   return size
 
 
+def batch_size(batches: tuple, axes: tuple[int, ...], name: str = "batch") -> int:
+  """The batch size shared by every batch argument along its batch axis (`leading_size` per argument)."""
+  if all(a == 0 for a in axes):
+    return leading_size(batches if len(batches) > 1 else batches[0], name)
+  sizes = {}
+  for j, (b, a) in enumerate(zip(batches, axes, strict=True)):
+    moved = jax.tree.map(lambda x, a=a: _BatchAxis(x, a), b)
+    sizes[leading_size(moved, f"{name} argument {j}")] = j
+  if len(sizes) > 1:
+    raise ValueError(f"the batch arguments disagree on their batch size along in_axes: {sorted(sizes)}")
+  (size,) = sizes
+  return size
+
+
+class _BatchAxis:
+  """A leaf seen with its batch axis first (shape and ndim only), for `leading_size`."""
+
+  def __init__(self, x, axis):
+    if not -jnp.ndim(x) <= axis < jnp.ndim(x):
+      raise ValueError(f"in_axes={axis} is out of range for a batch leaf of shape {jnp.shape(x)}")
+    shape = list(jnp.shape(x))
+    self.shape = (shape.pop(axis),) + tuple(shape)
+    self.ndim = len(self.shape)
+
+
 def check_binds(fun, name: str, args, kwargs, hint: str) -> None:
   """Raises a TypeError, with `hint`, when `fun`'s signature cannot take `args`/`kwargs`.
 
@@ -121,6 +201,8 @@ def microbatch(
   num_microbatches: int,
   *,
   batch_argnums: int | tuple[int, ...] = 1,
+  argnames: str | tuple[str, ...] = (),
+  in_axes: int | tuple[int, ...] = 0,
   weight_fn: Callable[[Any], Any] | None = None,
   key_argnum: int | None = None,
   axis_name: Any = None,
@@ -128,6 +210,7 @@ def microbatch(
   reductions: Any = None,
   return_total_weight: bool = False,
   skip_empty: bool = False,
+  num_real_microbatches: Any = None,
 ) -> Callable[..., Any]:
   r"""Runs `fun` over `num_microbatches` slices of the batch in a `lax.scan`; returns the weighted mean.
 
@@ -142,10 +225,13 @@ def microbatch(
   masked-mean loss and `weight_fn = lambda b: b["mask"].sum()` give the
   full-batch masked mean, whatever the number of real rows per microbatch.
   Peak memory is one microbatch's activations plus one output-sized accumulator.
-  Keyword arguments of the wrapped call are passed to `fun` unchanged (not split).
+  Keyword arguments of the wrapped call are passed to `fun` unchanged (not split),
+  except those named in `argnames`, which are batches.
 
-  Weights. A microbatch of weight 0 (all padding) adds exactly nothing, even if
-  its outputs are NaN (0/0). When the total weight sum_i w_i is 0 (every row is
+  Weights. The K weights are computed first, from the batch alone (one
+  vectorised call of `weight_fn` over the microbatches), then the loop runs.
+  A microbatch of weight 0 (all padding) adds exactly nothing, even if its
+  outputs are NaN (0/0). When the total weight sum_i w_i is 0 (every row is
   padding) there is nothing to average: called eagerly that is a ValueError;
   under a trace (jit, the normal case) every output is 0 rather than NaN, and
   `return_total_weight=True` lets the caller see it (`make_train_step` then
@@ -163,7 +249,9 @@ def microbatch(
     writes its rows in place into a (B/K, K, ...) buffer, which a free
     reshape turns into row order (no stack and transpose). A scalar output
     gives a vector of K values, one per microbatch, e.g. the per-microbatch
-    gradient norm `optax.global_norm(grads)`;
+    gradient norm `optax.global_norm(grads)`. Any other leading size is a
+    ValueError naming the output and both sizes (it could not be put back in
+    row order);
   - `"last"`: the last microbatch's value (counters, flags, non-float model
     state).
 
@@ -177,19 +265,20 @@ def microbatch(
   local last microbatch of each device (varying under shard_map: return it with
   `out_specs=P(axis_name)` or reduce it yourself).
 
-  Skipping empty microbatches (`skip_empty=True`, needs `weight_fn`). Each
-  microbatch's weight is computed first and `fun` runs under
-  `lax.cond(w_i > 0, ...)`: a microbatch of weight 0 costs its `weight_fn`
-  and a branch that passes the running sums through, no forward or backward
-  pass. So one compiled function runs any number n <= K of real microbatches,
-  n read from the data (e.g. from a mask; see `pad_microbatches`), with no
-  recompile. Means and sums are those of the real microbatches, as without
-  the option; "concat" leaves hold zeros in a skipped microbatch's rows (or
-  entry), not `fun`'s output on padding; "last" is the last microbatch that
-  ran (zeros if none ran). With `axis_name` each device skips its own empty
-  microbatches (the cond is local: no collective inside the loop). Under
-  `jax.vmap` a batched predicate turns the cond into a select that runs both
-  branches: correct, but nothing is skipped.
+  Skipping microbatches (`skip_empty=True`, needs `weight_fn`; or
+  `num_real_microbatches=n`). `fun` runs under `lax.cond(w_i > 0, ...)`: a
+  microbatch of weight 0 costs a branch that passes the running sums
+  through, no forward or backward pass. So one compiled function runs any
+  number n <= K of real microbatches, n read from the data (e.g. from a mask;
+  see `pad_microbatches`) or given as `num_real_microbatches` (an int or a
+  traced scalar: microbatches n, ..., K-1 have weight 0), with no recompile.
+  Means and sums are those of the real microbatches, as without the option;
+  "concat" leaves hold zeros in a skipped microbatch's rows (or entry), not
+  `fun`'s output on padding; "last" is the last microbatch that ran (zeros if
+  none ran). With `axis_name` each device skips its own empty microbatches
+  (the cond is local: no collective inside the loop). Under `jax.vmap` a
+  batched predicate turns the cond into a select that runs both branches:
+  correct, but nothing is skipped.
 
   Flax BatchNorm statistics returned as aux are averaged like everything else;
   see `make_train_step` for what that means next to full-batch statistics.
@@ -197,15 +286,23 @@ def microbatch(
   Args:
     fun: the function to wrap; its outputs (any pytree of arrays or Python
       scalars) are combined over microbatches per `reductions`.
-    num_microbatches: K, an int >= 1 dividing the leading size of every batch
-      leaf. K = 1 calls `fun` once, with no loop (with `skip_empty`, a loop
-      of one).
+    num_microbatches: K, an int >= 1 dividing the batch size of every batch
+      leaf. K = 1 calls `fun` once, with no loop (with skipping, a loop of one).
     batch_argnums: the positional argument(s) holding the batch (pytrees whose
-      leaves share a leading batch size). With K > 1 the outputs must depend
-      on them: a `fun` that closes over its batch is a ValueError.
+      leaves share a batch size); `()` when every batch is passed by keyword
+      (`argnames`). With K > 1 the outputs must depend on them: a `fun` that
+      closes over its batch is a ValueError.
+    argnames: keyword argument(s) of the wrapped call holding batches, split
+      like the positional ones (as `optax.microbatching.microbatch`'s).
+    in_axes: the batch axis of each batch argument: an int for all of them, or
+      one int per batch argument (`batch_argnums` first, then `argnames`).
+      Microbatch i takes entries i, i+K, ... along that axis (a free reshape);
+      `fun` sees the axis where it was. "concat" outputs are returned with
+      their rows on axis 0.
     weight_fn: `weight_fn(microbatch) -> scalar` w_i, where `microbatch` is the
-      slice of the batch argument (a tuple of slices when `batch_argnums` is a
-      tuple). Default: every microbatch weighs 1.
+      slice of the batch argument (a tuple of slices when there are several).
+      It is vectorised over the K microbatches with `jax.vmap`. Default: every
+      microbatch weighs 1.
     key_argnum: a positional PRNG-key argument; microbatch i receives
       `jax.random.fold_in(key, i)` (also when K = 1).
     axis_name: inside `jax.shard_map`/`jax.pmap`, the data axis: after the loop
@@ -224,8 +321,10 @@ def microbatch(
       sum_i w_i (over all devices with `axis_name`) as a scalar in the
       accumulation dtype: 0 when nothing was averaged.
     skip_empty: do not run `fun` on a microbatch whose weight is 0 (see
-      "Skipping empty microbatches" above). A negative or NaN weight is not
-      run either (and makes the total weight NaN, as without the option).
+      "Skipping microbatches" above). A negative or NaN weight is not run
+      either (and makes the total weight NaN, as without the option).
+    num_real_microbatches: None (all K are real), or n (an int in [0, K] or a
+      scalar array, traced or not): only microbatches 0..n-1 run and count.
 
   Returns:
     A function with `fun`'s signature and output structure (a pair with the
@@ -234,36 +333,29 @@ def microbatch(
   if not callable(fun):
     raise TypeError(f"fun={fun!r} must be callable, e.g. jax.value_and_grad(loss_fn)")
   k = _tree.check_positive_int(num_microbatches, "num_microbatches")
-  argnums = _normalize_argnums(batch_argnums)
+  names = _normalize_argnames(argnames)
+  argnums = _normalize_argnums(batch_argnums, allow_empty=bool(names))
+  axes = _normalize_in_axes(in_axes, len(argnums) + len(names))
   if key_argnum is not None:
     _check_int_arg(key_argnum, "key_argnum")
   if weight_fn is not None and not callable(weight_fn):
     raise TypeError(f"weight_fn={weight_fn!r} must be callable (microbatch -> scalar weight) or None")
   if axis_name is not None:
     parallel.validate_axis_name(axis_name)
-  if accumulator_dtype is not None:
-    try:
-      acc_dtype = jnp.dtype(accumulator_dtype)
-    except TypeError:
-      raise TypeError(f"{accumulator_dtype=} is not a dtype") from None
-    if not jnp.issubdtype(acc_dtype, jnp.floating):
-      # An integer running sum would truncate every term: 1.72 comes back as 1.5.
-      raise ValueError(f"{accumulator_dtype=} must be a floating dtype (e.g. jnp.float32)")
+  check_accumulator_dtype(accumulator_dtype)
   if not isinstance(return_total_weight, bool):
     raise TypeError(f"{return_total_weight=} must be a bool")
   _check_reductions(reductions)
-  if not isinstance(skip_empty, bool):
-    raise TypeError(f"{skip_empty=} must be a bool")
-  if skip_empty and weight_fn is None:
-    raise ValueError(
-      f"{skip_empty=} needs a weight_fn: a microbatch is empty when its weight is 0 "
-      "(e.g. weight_fn=lambda b: b['mask'].sum())"
-    )
+  check_skip_empty(skip_empty, weight_fn)
+  _check_num_real(num_real_microbatches, k)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
     nargs = len(args)
     idx = _resolve(argnums, nargs, "batch_argnums", batch_argnums)
+    for name in names:
+      if name not in kwargs:
+        raise TypeError(f"argnames names {name!r}, but the call has no keyword argument {name!r}")
     kidx = None
     if key_argnum is not None:
       (kidx,) = _resolve((key_argnum,), nargs, "key_argnum", key_argnum)
@@ -280,96 +372,141 @@ def microbatch(
     )
     if axis_name is not None:
       parallel.check_axis_name(axis_name)
-    batches = tuple(args[i] for i in idx)
-    size = leading_size(batches if len(batches) > 1 else batches[0])
-    if size % k:
-      raise ValueError(f"the batch's leading size {size} is not divisible by num_microbatches={k}")
+    batches = tuple(args[i] for i in idx) + tuple(kwargs[n] for n in names)
+    sp = split(batches, axes, k)
 
-    def run(mb_batches, i):
-      call_args = list(args)
-      for j, b in zip(idx, mb_batches, strict=True):
+    def run(mbs, i):
+      call_args, call_kwargs = list(args), dict(kwargs)
+      for j, b in zip(idx, mbs, strict=False):
         call_args[j] = b
+      for n, b in zip(names, mbs[len(idx) :], strict=True):
+        call_kwargs[n] = b
       if kidx is not None:
         call_args[kidx] = jax.random.fold_in(args[kidx], i)
       # Python scalars (a float returned as a metric) become arrays, as jit would make them.
-      return jax.tree.map(jnp.asarray, fun(*call_args, **kwargs))
+      return jax.tree.map(jnp.asarray, fun(*call_args, **call_kwargs))
 
-    def weigh(mb_batches):
-      if weight_fn is None:
-        w = jnp.ones((), jnp.float32)
-      else:
-        w = jnp.asarray(weight_fn(mb_batches[0] if len(mb_batches) == 1 else mb_batches))
-        if w.shape != ():
-          raise ValueError(f"weight_fn must return a scalar, got shape {w.shape}")
-        if not (jnp.issubdtype(w.dtype, jnp.floating) or jnp.issubdtype(w.dtype, jnp.integer) or w.dtype == jnp.bool_):
-          raise TypeError(f"weight_fn must return a real number, got dtype {w.dtype}")
-      return w
-
-    def call(mb_batches, i):
-      return run(mb_batches, i), weigh(mb_batches)
-
-    if k == 1 and not skip_empty:
-      out, w = call(batches, 0)
-      leaves, treedef = jax.tree.flatten(out)
-      reds = _leaf_reductions(reductions, out)
-      wdtype = _wdtype(leaves, reds, accumulator_dtype)
-      w = w.astype(wdtype)
-      if axis_name is None:
-        # One microbatch is its own mean (exactly: no w*o/w rounding), its own sum and its own last.
-        total = _checked_total(w, _weight_ok(w))
-        outs = [_single(o, r, total) for o, r in zip(leaves, reds, strict=True)]
-        out = jax.tree.unflatten(treedef, outs)
-        return (out, total) if return_total_weight else out
-      accs = [
-        _update(_init(jax.typeof(o), r, 1, accumulator_dtype), o, w, 0, r) for o, r in zip(leaves, reds, strict=True)
-      ]
-      out, total = _finish(accs, reds, w, _weight_ok(w), out, axis_name)
-      return (out, total) if return_total_weight else out
-
-    # (B, ...) -> (B/K, K, ...): row r = j*K + i lands at [j, i], so index i on
-    # axis 1 is microbatch i. Contiguous reshape: no copy, shards stay put.
-    views = jax.tree.map(lambda x: jnp.reshape(x, (size // k, k) + jnp.shape(x)[1:]), batches)
-
-    def take(i):
-      return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False), views)
-
-    # One trace of the body for the shapes (as eval_shape would) that also shows
-    # whether the outputs depend on the batch at all.
-    first = take(0)
-    closed, (out_shape, w_shape) = jax.make_jaxpr(lambda mb: call(mb, 0), return_shape=True)(first)
-    if k > 1:
-      _check_depends_on_batch(closed.jaxpr, len(jax.tree.leaves(first)), len(jax.tree.leaves(out_shape)), batch_argnums)
-    shapes, treedef = jax.tree.flatten(out_shape)
-    reds = _leaf_reductions(reductions, out_shape)
-    wdtype = _wdtype(shapes, reds, accumulator_dtype)
-    acc0 = [_init(s, r, k, accumulator_dtype) for s, r in zip(shapes, reds, strict=True)]
-    wsum0 = _zeros(w_shape, wdtype)
-    ok0 = _zeros(jax.ShapeDtypeStruct((), jnp.bool_, **_vma_kwargs(w_shape)), jnp.bool_) | True
-
-    def body(carry, i):
-      accs, wsum, ok = carry
-      mb = take(i)
-      w = weigh(mb).astype(wsum.dtype)
-
-      def add(accs):
-        out = run(mb, i)
-        outs = treedef.flatten_up_to(out)  # type: ignore[attr-defined]  # jaxlib types PyTreeDef loosely
-        return [_update(a, o, w, i, r) for a, o, r in zip(accs, outs, reds, strict=True)]
-
-      if skip_empty:
-        # The sums travel through the cond, so a skipped microbatch writes nothing: no
-        # zeros-sized output to add, and "last" keeps the last microbatch that ran.
-        # NaN > 0 is False: an invalid weight is not run either (ok records it).
-        accs = parallel.cond(w > 0, add, lambda accs: accs, accs)
-      else:
-        accs = add(accs)
-      return (accs, wsum + w, ok & _weight_ok(w)), None
-
-    (accs, wsum, ok), _ = lax.scan(body, (acc0, wsum0, ok0), jnp.arange(k))
-    out, total = _finish(accs, reds, wsum, ok, out_shape, axis_name)
+    ws = weights(sp, weight_fn, num_real_microbatches)
+    skip = skip_empty or num_real_microbatches is not None
+    sums = local_sums(run, sp, ws, reductions=reductions, accumulator_dtype=accumulator_dtype, skip=skip)
+    if sums.single is not None and axis_name is None:
+      # One microbatch is its own mean (exactly: no w*o/w rounding), its own sum and its own last.
+      total = _checked_total(sums.wsum, sums.ok)
+      leaves, treedef = jax.tree.flatten(sums.single)
+      out = jax.tree.unflatten(treedef, [_single(o, r, total) for o, r in zip(leaves, sums.reds, strict=True)])
+    else:
+      out, total = finish(sums, axis_name)
     return (out, total) if return_total_weight else out
 
   return wrapped
+
+
+# --------------------------------------------------------------------------- the loop (shared with make_train_step)
+
+
+class Split(NamedTuple):
+  """The batch arguments of one call viewed as K microbatches, without a copy."""
+
+  views: tuple  # each batch argument, its batch axis a reshaped to (size / K, K) at (a, a + 1)
+  axes: tuple[int, ...]  # each batch argument's batch axis
+  k: int  # the number of microbatches
+  rows: int  # rows per microbatch (size / K)
+
+  def take(self, i) -> tuple:
+    """Microbatch i (rows i, i + K, ...) of every batch argument."""
+    return tuple(
+      jax.tree.map(lambda x, a=a: lax.dynamic_index_in_dim(x, i, axis=a + 1, keepdims=False), v)
+      for v, a in zip(self.views, self.axes, strict=True)
+    )
+
+
+def split(batches: tuple, axes: tuple[int, ...], k: int, name: str = "batch") -> Split:
+  """Views each batch argument as (size / K, K) on its batch axis: a free reshape, rows stay on their devices.
+
+  Row r = j K + i lands at [j, i], so index i on the new axis is microbatch i.
+  """
+  size = batch_size(batches, axes, name)
+  if size % k:
+    raise ValueError(f"the {name}'s leading size {size} is not divisible by num_microbatches={k}")
+
+  def view(x, a):
+    shape = jnp.shape(x)
+    return jnp.reshape(x, shape[:a] + (size // k, k) + shape[a + 1 :])
+
+  views = tuple(jax.tree.map(lambda x, a=a: view(x, a), b) for b, a in zip(batches, axes, strict=True))
+  return Split(views, axes, k, size // k)
+
+
+def weights(sp: Split, weight_fn, num_real=None) -> jax.Array:
+  """The K microbatch weights, from the batch alone: `weight_fn` vectorised over the microbatches."""
+  if weight_fn is None:
+    ws = jnp.ones((sp.k,), jnp.float32)
+  else:
+
+    def one(*mbs):
+      w = jnp.asarray(weight_fn(mbs[0] if len(mbs) == 1 else mbs))
+      if w.shape != ():
+        raise ValueError(f"weight_fn must return a scalar, got shape {w.shape}")
+      if not (jnp.issubdtype(w.dtype, jnp.floating) or jnp.issubdtype(w.dtype, jnp.integer) or w.dtype == jnp.bool_):
+        raise TypeError(f"weight_fn must return a real number, got dtype {w.dtype}")
+      return w
+
+    ws = jax.vmap(one, in_axes=tuple(a + 1 for a in sp.axes))(*sp.views)
+  if num_real is not None:
+    ws = jnp.where(jnp.arange(sp.k) < num_real, ws, jnp.zeros((), ws.dtype))
+  return ws
+
+
+class Sums(NamedTuple):
+  """The microbatch loop's result on one device, before any division or collective."""
+
+  accs: list  # per output leaf: sum w o ("mean"), sum o ("sum"), the (m, K, ...) buffer ("concat"), last value
+  wsum: jax.Array  # sum of the weights, in the accumulation dtype
+  ok: jax.Array  # every weight finite and >= 0
+  reds: list[str]  # each output leaf's reduction
+  like: Any  # the output tree of one microbatch (abstract values), for the structure and dtypes
+  single: Any  # K = 1 without skipping: fun's output itself (exact), else None
+
+
+def local_sums(run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, skip=False, check_batch=True) -> Sums:
+  """The microbatch loop: `run(microbatches, i)` for i < K in a `lax.scan`, combined per `reductions`.
+
+  `ws` holds the K weights (`weights`); with `skip` a microbatch of weight <= 0
+  (or NaN) is not run (`lax.cond`). Nothing is divided and nothing crosses
+  devices: `finish` (or make_train_step's reducer) does that.
+  """
+  first = sp.take(0)
+  closed, like = jax.make_jaxpr(lambda mbs: run(mbs, 0), return_shape=True)(first)
+  if sp.k > 1 and check_batch:
+    _check_depends_on_batch(closed.jaxpr, len(jax.tree.leaves(first)), len(jax.tree.leaves(like)))
+  shapes, treedef = jax.tree.flatten(like)
+  reds = _leaf_reductions(reductions, like)
+  _check_concat_rows(like, reds, sp.rows)
+  ws = ws.astype(_wdtype(shapes, reds, accumulator_dtype))
+  ok, wsum = jnp.all(_weight_ok(ws)), jnp.sum(ws)
+  if sp.k == 1 and not skip:
+    out = run(first, 0)
+    accs = [
+      _update(_init(jax.typeof(o), r, 1, accumulator_dtype), o, ws[0], 0, r)
+      for o, r in zip(treedef.flatten_up_to(out), reds, strict=True)
+    ]  # type: ignore[attr-defined]
+    return Sums(accs, wsum, ok, reds, like, out)
+  acc0 = [_init(s, r, sp.k, accumulator_dtype) for s, r in zip(shapes, reds, strict=True)]
+
+  def body(accs, i):
+    w = ws[i]
+
+    def add(accs):
+      outs = treedef.flatten_up_to(run(sp.take(i), i))  # type: ignore[attr-defined]  # jaxlib types PyTreeDef loosely
+      return [_update(a, o, w, i, r) for a, o, r in zip(accs, outs, reds, strict=True)]
+
+    # The sums travel through the cond, so a skipped microbatch writes nothing: no
+    # zeros-sized output to add, and "last" keeps the last microbatch that ran.
+    # NaN > 0 is False: an invalid weight is not run either (ok records it).
+    return (parallel.cond(w > 0, add, lambda accs: accs, accs) if skip else add(accs)), None
+
+  accs, _ = lax.scan(body, acc0, jnp.arange(sp.k))
+  return Sums(accs, wsum, ok, reds, like, None)
 
 
 def pad_microbatches(microbatches, num_microbatches: int, *, num_devices: int = 1):
@@ -494,8 +631,21 @@ def _leaf_reductions(reductions, outs) -> list[str]:
 
 
 def _zeros(s, dtype, shape=None):
-  """Zeros of `shape` (default `s.shape`) with `s`'s varying axes: a scan carry must keep them."""
-  z = jnp.zeros(s.shape if shape is None else shape, dtype)
+  """Zeros of `shape` (default `s.shape`) with `s`'s varying axes and typed sharding: a scan carry must keep them.
+
+  A concat buffer (m, K, ...) of an output typed as sharded over an Explicit axis
+  (a batch sharded over "data") keeps that sharding on its rows.
+  """
+  sharding = _typed_spec(s)
+  if sharding is not None:
+    entries = list(sharding.spec) + [None] * (len(s.shape) - len(sharding.spec))
+    if shape is not None and shape != s.shape:
+      entries = [entries[0], None, *entries[1:]] if s.shape else [None]
+    z = jnp.zeros(
+      s.shape if shape is None else shape, dtype, out_sharding=NamedSharding(sharding.mesh, PartitionSpec(*entries))
+    )
+  else:
+    z = jnp.zeros(s.shape if shape is None else shape, dtype)
   axes = tuple(sorted((parallel._varying_axes(s) or frozenset()) - (parallel._varying_axes(z) or frozenset())))
   return lax.pcast(z, axes, to="varying") if axes else z
 
@@ -543,7 +693,7 @@ def _vma_kwargs(s) -> dict:
   return {} if mat is None else {"manual_axis_type": mat}
 
 
-def _check_depends_on_batch(jaxpr, n_batch: int, n_out: int, batch_argnums) -> None:
+def _check_depends_on_batch(jaxpr, n_batch: int, n_out: int) -> None:
   """Raises when none of `fun`'s outputs depends on the batch (the first `n_batch` inputs).
 
   A backward pass over the top-level equations (an equation with a sub-jaxpr
@@ -555,7 +705,7 @@ def _check_depends_on_batch(jaxpr, n_batch: int, n_out: int, batch_argnums) -> N
       needed.update(v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal))
   if n_batch and n_out and not any(v in needed for v in jaxpr.invars[:n_batch]):
     raise ValueError(
-      f"fun's outputs do not depend on its batch argument(s) ({batch_argnums=}), so every "
+      "fun's outputs do not depend on its batch argument(s) (batch_argnums, argnames), so every "
       "microbatch would compute the same thing. If fun closes over the batch (def loss(params): "
       "... batch ...), take the batch as an argument instead: def loss(params, batch), and pass "
       "it in the call; microbatch splits that argument."
@@ -604,36 +754,74 @@ def _gather_rows(x, axis_name):
   return lax.all_gather(x, axis_name, axis=0, tiled=True)
 
 
-def _finish(accs, reds, wsum, ok, like, axis_name):
-  """Carries -> outputs: means divided by the total weight, sums as they are, concat buffers reshaped.
+def finish(sums: Sums, axis_name, *, total=None):
+  """`Sums` -> (outputs, total weight): means divided by the total, sums as they are, concat buffers reshaped.
 
   With `axis_name`, one all-reduce of (every mean and sum carry, sum w, bad
   count) and one all-gather of the concat buffers; "last" stays per device.
   A total weight of 0 gives means of 0 (not 0/0); an invalid weight gives NaN.
+  `total`: the global total weight when the caller reduced it already (then
+  only the carries are reduced).
   """
-  like_leaves, treedef = jax.tree.flatten(like)
+  like_leaves, treedef = jax.tree.flatten(sums.like)
+  reds, wsum, ok = sums.reds, sums.wsum, sums.ok
   reduced = [i for i, r in enumerate(reds) if r in ("mean", "sum")]
-  accs = list(accs)
+  accs = list(sums.accs)
   if axis_name is not None:
     parallel.check_varying([accs[i] for i in reduced], axis_name, arg="outputs")
     # One psum over operands of mixed varying-ness lowers to several
     # all-reduces (invariant ones apart); cast all to varying to get one.
     # The validity flag travels as a count of bad microbatches in the same psum.
     bad = (~ok).astype(wsum.dtype)
-    sent = parallel.to_varying(([accs[i] for i in reduced], wsum, bad), axis_name)
-    got, wsum, bad = parallel.all_reduce_sum(sent, axis_name)
+    scalars = () if total is not None else (wsum, bad)
+    got, scalars = parallel.all_reduce_sum(
+      parallel.to_varying(([accs[i] for i in reduced], scalars), axis_name), axis_name
+    )
     for i, a in zip(reduced, got, strict=True):
       accs[i] = a
-    ok = bad == 0
-  total = _checked_total(wsum, ok)
+    if total is None:
+      wsum, bad = scalars
+      ok = bad == 0
+  if total is None:
+    total = _checked_total(wsum, ok)
   safe = jnp.where(total == 0, jnp.ones((), total.dtype), total)
   outs = []
   for a, o, r in zip(accs, like_leaves, reds, strict=True):
     if r == "mean":
       a = jnp.where(total == 0, jnp.zeros((), a.dtype), a / safe.astype(a.dtype))
     elif r == "concat":
-      a = jnp.reshape(a, (-1,) + tuple(a.shape[2:]) if o.ndim else a.shape)
+      a = _merge_rows(a) if o.ndim else a
       if axis_name is not None:
         a = _gather_rows(a, axis_name)
     outs.append(a.astype(o.dtype))
   return jax.tree.unflatten(treedef, outs), total
+
+
+def _check_concat_rows(like, reds, rows: int) -> None:
+  """A "concat" leaf must have a microbatch's rows first (or be a scalar): anything else cannot be put in row order."""
+  for (path, s), r in zip(jax.tree_util.tree_leaves_with_path(like), reds, strict=True):
+    if r == "concat" and s.ndim and s.shape[0] != rows:
+      raise ValueError(
+        f'fun\'s output{jax.tree_util.keystr(path)} has shape {s.shape}, reduced with "concat": its leading size '
+        f"{s.shape[0]} is not the {rows} rows of a microbatch, so it cannot be put back in the batch's row order. "
+        'Return per-example values with the microbatch\'s rows first, a scalar per microbatch, or use "sum"/"last"'
+      )
+
+
+def _typed_spec(s):
+  """The PartitionSpec in `s`'s type over Explicit mesh axes (None when it has none)."""
+  sharding = getattr(s, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or not any(e is not None for e in spec):
+    return None
+  return sharding
+
+
+def _merge_rows(a):
+  """(m, K, ...) -> (m K, ...): row j of microbatch i is batch row j K + i (free; keeps a typed row sharding)."""
+  shape = (a.shape[0] * a.shape[1],) + tuple(a.shape[2:])
+  sharding = _typed_spec(jax.typeof(a))
+  if sharding is None:
+    return jnp.reshape(a, shape)
+  entries = list(sharding.spec) + [None] * (a.ndim - len(sharding.spec))
+  return jnp.reshape(a, shape, out_sharding=NamedSharding(sharding.mesh, PartitionSpec(entries[0], *entries[2:])))

@@ -569,3 +569,88 @@ def test_skip_empty_bad_input(problem):
     ja.microbatch(vg, 2, skip_empty=True)
   with pytest.raises(TypeError, match=r"skip_empty='yes' must be a bool"):
     ja.microbatch(vg, 2, skip_empty="yes", weight_fn=lambda b: 1.0)
+
+
+# --------------------------------------------------------------------------- argnames, in_axes, num_real_microbatches
+
+
+def test_argnames_in_axes_and_num_real_equal_the_plain_computation(problem):
+  """Batches by keyword and on another axis, and a run-time count of real microbatches, against plain jax."""
+  params, _, (x, y) = problem
+  vg = jax.value_and_grad(lambda p, *, xs, ys: mse_loss(p, (xs.T, ys)))
+  # xs carries its rows on axis 1 (features first); ys on axis 0.
+  want = jax.value_and_grad(mse_loss)(params, (x, y))
+  got = ja.microbatch(vg, 4, batch_argnums=(), argnames=("xs", "ys"), in_axes=(1, 0))(params, xs=x.T, ys=y)
+  chex.assert_trees_all_close(got, want, rtol=RTOL, atol=1e-15)
+
+  # n of K=4 microbatches real (rows i, i+4, ... for i < n), n traced: one compile for every n.
+  fun = jax.jit(
+    lambda p, b, n: ja.microbatch(jax.value_and_grad(mse_loss), 4, num_real_microbatches=n, return_total_weight=True)(
+      p, b
+    )
+  )
+  for n in (1, 3):
+    rows = np.asarray([r for r in range(120) if r % 4 < n])
+    (loss, grads), total = fun(params, (x, y), jnp.int32(n))
+    chex.assert_trees_all_close((loss, grads), jax.value_and_grad(mse_loss)(params, (x[rows], y[rows])), rtol=RTOL)
+    assert float(total) == n
+  assert fun._cache_size() == 1
+
+
+def test_num_real_microbatches_does_not_run_the_rest(problem):
+  params, _, data = problem
+  calls = []
+
+  def loss(p, b):
+    jax.debug.callback(lambda: calls.append(1))
+    return mse_loss(p, b)
+
+  jax.block_until_ready(ja.microbatch(jax.value_and_grad(loss), 4, num_real_microbatches=2)(params, data))
+  assert len(calls) == 2
+
+
+def test_new_options_bad_input(problem):
+  params, _, data = problem
+  vg = jax.value_and_grad(mse_loss)
+  with pytest.raises(TypeError, match=r"argnames=3"):
+    ja.microbatch(vg, 2, argnames=3)
+  with pytest.raises(TypeError, match=r"in_axes=\(0, 1\)"):
+    ja.microbatch(vg, 2, in_axes=(0, 1))
+  with pytest.raises(ValueError, match=r"num_real_microbatches=5 must be between 0 and num_microbatches=4"):
+    ja.microbatch(vg, 4, num_real_microbatches=5)
+  with pytest.raises(TypeError, match=r"num_real_microbatches=1.5"):
+    ja.microbatch(vg, 4, num_real_microbatches=1.5)
+  with pytest.raises(TypeError, match=r"argnames names 'batch'"):
+    ja.microbatch(lambda p, *, batch: mse_loss(p, batch), 2, batch_argnums=(), argnames="batch")(params)
+  with pytest.raises(ValueError, match=r"in_axes=2 is out of range"):
+    ja.microbatch(vg, 2, in_axes=2)(params, data)
+
+
+# --------------------------------------------------------------------------- issue 22: "concat"
+
+
+def test_concat_with_a_leading_size_other_than_the_rows_is_refused(problem):
+  """3 of a microbatch's 4 rows, or a per-microbatch vector, cannot be put in row order: named, not interleaved."""
+  params, _, (x, y) = problem
+  x, y = x[:32], y[:32]  # K=8: 4 rows per microbatch
+  for name, out in (("three", lambda b: b[0][:3]), ("vector", lambda b: jnp.sum(b[0], axis=0))):
+    fun = lambda p, b: {"loss": mse_loss(p, b), name: out(b)}
+    with pytest.raises(ValueError, match=rf"output\['{name}'\] has shape .*\"concat\".* not the 4 rows"):
+      ja.microbatch(fun, 8, reductions={"loss": "mean", name: "concat"})(params, (x, y))
+
+
+def test_concat_on_an_explicit_mesh():
+  """optax's sharding_test::test_microbatch_with_explicit_sharding: "concat" of a batch sharded over Explicit "data"."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(1), 64)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, P("data"))
+    fun = ja.microbatch(
+      lambda p, b: {"pred": mlp_apply(p, b), "m": jnp.mean(b)}, 4, reductions={"pred": "concat", "m": "mean"}
+    )
+    for call in (fun, jax.jit(fun)):
+      out = call(params, xs)
+      np.testing.assert_allclose(out["pred"], mlp_apply(params, x), rtol=RTOL)
+      np.testing.assert_allclose(out["m"], jnp.mean(x), rtol=RTOL)
+      assert out["pred"].sharding.spec[0] == "data"
