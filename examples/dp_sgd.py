@@ -40,7 +40,7 @@ def parse_args():
   parser.add_argument("--rows", type=int, default=4, help="rows per microbatch (default 4)")
   parser.add_argument("--clip", type=float, default=1.0, help="per-example L2 clipping norm C (default 1)")
   parser.add_argument("--noise-multiplier", type=float, default=1.5, help="sigma (default 1.5)")
-  parser.add_argument("--lr", type=float, default=2e-3, help="adam learning rate (default 2e-3)")
+  parser.add_argument("--lr", type=float, default=5e-3, help="adam learning rate (default 5e-3)")
   parser.add_argument("--delta", type=float, default=1e-5, help="delta of (epsilon, delta)-DP (default 1e-5)")
   parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
   parser.add_argument("--seed", type=int, default=0)
@@ -226,7 +226,7 @@ def train_jaxaccum(params, batches):
     donate_argnums=(0, 1),
   )
   # Placed as the step returns them, so that the first call compiles the only version.
-  params = ja.replicate(params, mesh)
+  params = ja.replicate(jax.tree.map(jnp.copy, params), mesh)
   state = jax.device_put(state, jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), spec))
   for indices in batches:
     for call in layout(indices):
