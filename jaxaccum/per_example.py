@@ -291,12 +291,12 @@ def micro_grad(
     missing = [n for n in names if n not in kwargs]
     if missing:
       raise ValueError(f"{argnames=}: the call has no keyword argument {missing[0]!r}")
-    args = list(args)
+    call = list(args)
     if axis_name is not None:
       parallel.check_axis_name(axis_name)
       for a in diff:
-        args[a] = parallel.to_varying(args[a], axis_name)
-    values = [args[i] for i in batch] + [kwargs[n] for n in names]
+        call[a] = parallel.to_varying(call[a], axis_name)
+    values = [call[i] for i in batch] + [kwargs[n] for n in names]
     mb_weight = None
     if weight_fn is not None:
       by_rows = _microbatch_weight(weight_fn, axes, keep_batch_dim)
@@ -319,7 +319,7 @@ def micro_grad(
       skip_empty=weight_fn is not None,
       **options,
     )
-    (grads, per), total = run(*args, **kwargs)
+    (grads, per), total = run(*call, **kwargs)
     if weight_fn is not None:
       # An invalid traced weight makes the total NaN: make the gradient say so too.
       grads = jax.tree.map(lambda g: jnp.where(jnp.isnan(total), jnp.full((), jnp.nan, g.dtype), g), grads)
@@ -397,7 +397,8 @@ def micro_vmap(
 
   def wrapped(*args, **kwargs):
     nargs = len(args)
-    if in_axes is None or _is_int(in_axes):
+    axes: list[int | None]
+    if in_axes is None or isinstance(in_axes, int):
       axes = [in_axes] * nargs
     else:
       axes = list(in_axes)

@@ -19,6 +19,8 @@ Touches no device at import.
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -37,21 +39,35 @@ def _clip(grads):
 
 def _candidates(rows: int, k: int) -> dict:
   """name -> a function (params, batch) -> (clipped sum, per-example norms)."""
-  out = {}
-  ours = micro_grad(mlp_loss, num_microbatches=k, transform_fn=_clip, metrics_fn=optax.tree.norm)
-  out[f"ja.micro_grad K={k}"] = lambda p, b: (lambda g, aux: (g, aux.metrics))(*ours(p, b))
-  theirs = optax.microbatching.micro_grad(
-    mlp_loss, microbatch_size=rows // k, transform_fn=_clip, metrics_fn=optax.tree.norm
-  )
-  out[f"optax.microbatching.micro_grad K={k}"] = lambda p, b: (lambda g, aux: (g, aux.metrics))(*theirs(p, b))
-  try:
-    from jax_privacy import clipping  # noqa: PLC0415  (optional)
+
+  def norms_of(grad_fn, field):
+    def fn(params, batch):
+      grads, aux = grad_fn(params, batch)
+      return grads, getattr(aux, field)
+
+    return fn
+
+  out = {
+    f"ja.micro_grad K={k}": norms_of(
+      micro_grad(mlp_loss, num_microbatches=k, transform_fn=_clip, metrics_fn=optax.tree.norm), "metrics"
+    ),
+    f"optax.microbatching.micro_grad K={k}": norms_of(
+      optax.microbatching.micro_grad(
+        mlp_loss, microbatch_size=rows // k, transform_fn=_clip, metrics_fn=optax.tree.norm
+      ),
+      "metrics",
+    ),
+  }
+  try:  # optional: the library does not depend on jax-privacy
+    clipping = importlib.import_module("jax_privacy.clipping")
   except ImportError:
     return out
-  jp = clipping.clipped_grad(
-    mlp_loss, l2_clip_norm=CLIP, batch_argnums=1, microbatch_size=rows // k, return_grad_norms=True
+  out[f"jax_privacy clipped_grad K={k}"] = norms_of(
+    clipping.clipped_grad(
+      mlp_loss, l2_clip_norm=CLIP, batch_argnums=1, microbatch_size=rows // k, return_grad_norms=True
+    ),
+    "grad_norms",
   )
-  out[f"jax_privacy clipped_grad K={k}"] = lambda p, b: (lambda g, aux: (g, aux.grad_norms))(*jp(p, b))
   return out
 
 
