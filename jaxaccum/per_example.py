@@ -301,23 +301,18 @@ def micro_grad(
     if weight_fn is not None:
       by_rows = _microbatch_weight(weight_fn, axes, keep_batch_dim)
       mb_weight = lambda mb: by_rows((mb,) if len(values) == 1 else tuple(mb))
-    options: dict[str, Any] = {}
-    if names:
-      options["argnames"] = names
-    if any(a != 0 for a in axes):
-      options["in_axes"] = axes
-    if num_real_microbatches is not None:
-      options["num_real_microbatches"] = num_real_microbatches
     run = microbatch(
       per_microbatch,
       _resolve_k(k, microbatch_size, values, axes),
       batch_argnums=batch,
+      argnames=names,
+      in_axes=axes,
       weight_fn=mb_weight,
       axis_name=axis_name,
       reductions=("sum", "concat"),
       return_total_weight=True,
       skip_empty=weight_fn is not None,
-      **options,
+      num_real_microbatches=num_real_microbatches,
     )
     (grads, per), total = run(*call, **kwargs)
     if weight_fn is not None:
@@ -435,11 +430,6 @@ def micro_vmap(
     if weight_fn is not None:
       by_rows = _microbatch_weight(weight_fn, weight_axes, False)
       mb_weight = lambda mb: by_rows(tuple((mb,) if len(batch) == 1 else mb)[: len(mapped)])
-    options: dict[str, Any] = {}
-    if any(a != 0 for a in batch_axes):
-      options["in_axes"] = batch_axes
-    if num_real_microbatches is not None:
-      options["num_real_microbatches"] = num_real_microbatches
     values = [args[i] for i in mapped] + ([kwargs] if kwargs else [])
     run = microbatch(
       per_microbatch,
@@ -447,9 +437,10 @@ def micro_vmap(
       batch_argnums=batch,
       weight_fn=mb_weight,
       axis_name=axis_name,
+      in_axes=batch_axes,
       reductions=("concat", "sum", "sum"),
       skip_empty=weight_fn is not None,
-      **options,
+      num_real_microbatches=num_real_microbatches,
     )
     concat, summed, wsum = run(*args, *([kwargs] if kwargs else []))
     concat, summed = iter(concat), iter(summed)
