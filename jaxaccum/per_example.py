@@ -404,8 +404,8 @@ def micro_vmap(
       raise ValueError(f"{in_axes=} maps no argument: there are no examples to map over")
     # Keyword arguments travel as one extra positional dict, mapped over axis 0 (jax.vmap's rule for them).
     batch = tuple(mapped) + ((nargs,) if kwargs else ())
-    batch_axes = tuple(axes[i] for i in mapped) + ((0,) if kwargs else ())
-    weight_axes = tuple(axes[i] for i in mapped)
+    weight_axes = tuple(a for a in axes if a is not None)  # those of the mapped positional arguments, in order
+    batch_axes = weight_axes + ((0,) if kwargs else ())
     seen: dict[str, Any] = {}
 
     def per_microbatch(*call):
