@@ -20,6 +20,7 @@ from jaxaccum.noise import (
   noise_scale_smooth,
 )
 from jaxaccum.parallel import data_mesh, pmean, psum, replicate, shard_batch
+from jaxaccum.per_example import MicroGradAux, micro_grad, micro_vmap
 from jaxaccum.planner import plan_microbatches
 from jaxaccum.sharded import shard_train_state
 from jaxaccum.train_step import make_train_step
@@ -54,6 +55,9 @@ __all__ = [
   "flax",
   "checkpoint",
   "fail_fast",
+  "micro_grad",
+  "micro_vmap",
+  "MicroGradAux",
 ]
 
 __version__ = "0.1.0"

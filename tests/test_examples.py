@@ -81,3 +81,29 @@ def test_padded_lm_shows_multisteps_mean_of_means_off_and_token_weights_exact(re
   for label, multisteps_percent, weighted in lines:
     assert float(multisteps_percent) > 0.01, f"{label}: MultiSteps should be measurably off:\n{out}"
     assert float(weighted) < 1e-10, f"{label}: token-weighted accumulation should be exact:\n{out}"
+
+
+def test_dp_sgd_equals_a_plain_dp_sgd_run():
+  """examples/dp_sgd.py --check: Poisson batches padded over 8 devices x K microbatches x A calls, noise once per
+  logical batch, equal DP-SGD written plainly (realised batch at once, same noise key) in float64, one compile."""
+  import importlib.util  # noqa: PLC0415
+
+  args = ["--x64", "--check", "--steps", "3", "--expected-batch-size", "24", "--rows", "2"]
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / "examples" / "dp_sgd.py"), *args],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    timeout=TIMEOUT_S,
+  )
+  out = proc.stdout
+  assert proc.returncode == 0, out
+  diff = re.search(r"max relative difference from the plain DP-SGD run: (\S+)", out)
+  assert diff and float(diff.group(1)) < 1e-12, out
+  assert re.search(r"Poisson batch sizes \d+\.\.\d+ \([2-9] distinct\) ran in 1 compiled step", out), out
+  eps = re.search(r"epsilon (\S+) at delta", out)
+  assert eps, out
+  if importlib.util.find_spec("dp_accounting") is not None:
+    assert 0 < float(eps.group(1)) < 1, out  # 3 updates at q = 24/1437, sigma 1.5
