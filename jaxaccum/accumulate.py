@@ -137,6 +137,92 @@ def _check_weight(weight):
   return weight
 
 
+def _which_count(grads, weight, acc_grads, acc_weight, skip_nonfinite: bool):
+  """Weight checks: which microbatch counts. Returns (keep, dropped), boolean scalars or None.
+
+  weight == 0: a normal microbatch that adds nothing (even a NaN gradient:
+  selected, never multiplied by 0). An invalid traced weight (NaN, Inf, < 0):
+  dropped and counted. With skip_nonfinite, a NaN/Inf gradient of weight > 0:
+  dropped and counted. `keep` is None where every microbatch counts by
+  construction, `dropped` None where none can be dropped.
+  """
+  keep = dropped = None
+  acc_dtypes = sorted({x.dtype for x in jax.tree.leaves(acc_grads)} | {acc_weight.dtype}, key=str)
+  if weight is not None:
+    # Checked in every dtype the weight is cast to: 7e4 is finite in int32 but Inf in a float16 accumulator.
+    valid = (weight >= 0) & jnp.all(jnp.stack([jnp.isfinite(weight.astype(d)) for d in acc_dtypes]))
+    keep, dropped = valid & (weight > 0), jnp.logical_not(valid)
+  if skip_nonfinite:
+    # What would be added, w g in the accumulator's dtype: an overflow of the product counts as non-finite.
+    if weight is None:
+      finite = _tree.all_finite(jax.tree.map(lambda acc, g: g.astype(acc.dtype), acc_grads, grads))
+    else:
+      finite = _tree.all_finite(
+        jax.tree.map(lambda acc, g: g.astype(acc.dtype) * weight.astype(acc.dtype), acc_grads, grads)
+      )
+    bad_grads = jnp.logical_not(finite) if keep is None else keep & jnp.logical_not(finite)
+    keep = finite if keep is None else keep & finite
+    dropped = bad_grads if dropped is None else dropped | bad_grads
+  return keep, dropped
+
+
+def _add(acc_grads, acc_weight, grads, weight, keep, new_window):
+  """The micro-step: one fused pass per leaf, acc <- (new window ? 0 : acc) + (keep ? w g : 0).
+
+  The accumulator is reset lazily, on the first add of the next window,
+  rather than zeroed at the window's end: that keeps the add outside the
+  cond and in place in a donated buffer (XLA copies values that pass
+  through a branch, and operands a branch shares with an in-place write).
+  Returns (acc_grads, acc_weight, w), w this microbatch's counted weight.
+  """
+
+  def add_leaf(acc, g):
+    g = g.astype(acc.dtype)
+    if weight is not None:
+      g = g * weight.astype(acc.dtype)
+    if keep is not None:
+      g = jnp.where(keep, g, jnp.zeros_like(g))  # NaN * 0 is NaN: select, don't scale.
+    return jnp.where(new_window, jnp.zeros_like(acc), acc) + g
+
+  new_acc = jax.tree.map(add_leaf, acc_grads, grads)
+  w = jnp.ones([], acc_weight.dtype) if weight is None else weight.astype(acc_weight.dtype)
+  if keep is not None:
+    w = jnp.where(keep, w, jnp.zeros_like(w))
+  new_weight = jnp.where(new_window, jnp.zeros_like(w), acc_weight) + w
+  return new_acc, new_weight, w
+
+
+def _noise_micro_step(stats, acc_grads, grads, w, new_window):
+  """Noise statistics of one microbatch: sum_i w_i |g_i|^2 and K, per device, reset lazily like acc_weight.
+
+  The squared norm reads the same cast gradient as the add; XLA:CPU does not
+  fuse the two (a second read of the gradient: +16% per window at 8-row
+  microbatches, +2-3% at 128 rows; a dot instead of sum(g*g) is no faster).
+  """
+  sq = jnp.zeros([], w.dtype)
+  for acc, g in zip(jax.tree.leaves(acc_grads), jax.tree.leaves(grads), strict=True):
+    g = g.astype(acc.dtype)
+    sq = sq + jnp.sum(g * g).astype(w.dtype)
+  counted = w > 0
+  sq = jnp.where(counted, w * sq, jnp.zeros_like(sq))  # a NaN gradient of weight 0: selected out.
+  return stats._replace(
+    acc_sq=jnp.where(new_window, jnp.zeros_like(sq), stats.acc_sq) + sq,
+    acc_count=jnp.where(new_window, jnp.zeros_like(stats.acc_count), stats.acc_count)
+    + counted.astype(stats.acc_count.dtype),
+  )
+
+
+def _noise_window_end(stats, acc_grads, acc_weight, window_sq, window_count, ema_decay: float):
+  """The window's noise estimates from its (all-reduced) sums, folded into the EMAs.
+
+  |g|^2 of the window's mean comes from the all-reduced sum: the same on every device.
+  """
+  safe = jnp.where(acc_weight > 0, acc_weight, jnp.ones_like(acc_weight))
+  mean_sq = noise.sq_norm(jax.tree.map(lambda a: a / safe.astype(a.dtype), acc_grads), acc_weight.dtype)
+  grad_sq, trace_cov, valid = noise.window_estimates(window_sq, acc_weight, mean_sq, window_count)
+  return noise.update_state(stats, grad_sq, trace_cov, valid, ema_decay)
+
+
 def accumulate(
   inner: optax.GradientTransformation,
   every_k: EveryK,
@@ -366,76 +452,21 @@ def accumulate(
       parallel.check_axis_name(axis_name)
       parallel.check_varying(grads, axis_name)
 
-    # Which microbatches count. weight == 0: a normal microbatch that adds
-    # nothing (even a NaN gradient: selected, never multiplied by 0). An
-    # invalid traced weight (NaN, Inf, < 0): dropped and counted. With
-    # skip_nonfinite, a NaN/Inf gradient of weight > 0: dropped and counted.
-    # `keep` is None where every microbatch counts by construction.
-    keep = dropped = None
-    acc_dtypes = sorted({x.dtype for x in jax.tree.leaves(state.acc_grads)} | {state.acc_weight.dtype}, key=str)
-    if weight is not None:
-      # Checked in every dtype the weight is cast to: 7e4 is finite in int32 but Inf in a float16 accumulator.
-      valid = (weight >= 0) & jnp.all(jnp.stack([jnp.isfinite(weight.astype(d)) for d in acc_dtypes]))
-      keep, dropped = valid & (weight > 0), jnp.logical_not(valid)
-    if skip_nonfinite:
-      # What would be added, w g in the accumulator's dtype: an overflow of the product counts as non-finite.
-      if weight is None:
-        finite = _tree.all_finite(jax.tree.map(lambda acc, g: g.astype(acc.dtype), state.acc_grads, grads))
-      else:
-        finite = _tree.all_finite(
-          jax.tree.map(lambda acc, g: g.astype(acc.dtype) * weight.astype(acc.dtype), state.acc_grads, grads)
-        )
-      bad_grads = jnp.logical_not(finite) if keep is None else keep & jnp.logical_not(finite)
-      keep = finite if keep is None else keep & finite
-      dropped = bad_grads if dropped is None else dropped | bad_grads
+    keep, dropped = _which_count(grads, weight, state.acc_grads, state.acc_weight, skip_nonfinite)
     num_skipped = state.num_skipped
     if dropped is not None:
       num_skipped = num_skipped + dropped.astype(jnp.int32)
-
-    # The micro-step: one fused pass per leaf, acc <- (new window ? 0 : acc) + (keep ? w g : 0).
-    # The accumulator is reset lazily, on the first add of the next window,
-    # rather than zeroed at the window's end: that keeps the add outside the
-    # cond and in place in a donated buffer (XLA copies values that pass
-    # through a branch, and operands a branch shares with an in-place write).
     new_window = state.micro_step == 0
-
-    def add_leaf(acc, g):
-      g = g.astype(acc.dtype)
-      if weight is not None:
-        g = g * weight.astype(acc.dtype)
-      if keep is not None:
-        g = jnp.where(keep, g, jnp.zeros_like(g))  # NaN * 0 is NaN: select, don't scale.
-      return jnp.where(new_window, jnp.zeros_like(acc), acc) + g
-
-    acc_grads = jax.tree.map(add_leaf, state.acc_grads, grads)
-    w = jnp.ones([], state.acc_weight.dtype) if weight is None else weight.astype(state.acc_weight.dtype)
-    if keep is not None:
-      w = jnp.where(keep, w, jnp.zeros_like(w))
-    acc_weight = jnp.where(new_window, jnp.zeros_like(w), state.acc_weight) + w
+    acc_grads, acc_weight, w = _add(state.acc_grads, state.acc_weight, grads, weight, keep, new_window)
     stats = state.noise_stats
     if tracking:
-      # sum_i w_i |g_i|^2 and K, per device, reset lazily like acc_weight. The
-      # squared norm reads the same cast gradient as the add; XLA:CPU does not fuse
-      # the two (a second read of the gradient: +16% per window at 8-row
-      # microbatches, +2-3% at 128 rows; a dot instead of sum(g*g) is no faster).
-      sq = jnp.zeros([], w.dtype)
-      for acc, g in zip(jax.tree.leaves(state.acc_grads), jax.tree.leaves(grads), strict=True):
-        g = g.astype(acc.dtype)
-        sq = sq + jnp.sum(g * g).astype(w.dtype)
-      counted = w > 0
-      sq = jnp.where(counted, w * sq, jnp.zeros_like(sq))  # a NaN gradient of weight 0: selected out.
-      stats = stats._replace(
-        acc_sq=jnp.where(new_window, jnp.zeros_like(sq), stats.acc_sq) + sq,
-        acc_count=jnp.where(new_window, jnp.zeros_like(stats.acc_count), stats.acc_count)
-        + counted.astype(stats.acc_count.dtype),
-      )
+      stats = _noise_micro_step(stats, state.acc_grads, grads, w, new_window)
 
     k = window_length(state)
     single = isinstance(k, int) and k == 1
     # A window can end empty (total weight 0) only if some microbatch may not count;
     # a window-end call that counts by construction (weight 1) makes it non-empty.
     may_be_empty = keep is not None
-
     update_shapes = None
     if not apply and (may_be_empty or not single):
       # The dtypes `inner` gives its updates (trace time only), so that the zero
@@ -447,6 +478,37 @@ def accumulate(
         params,
         stats,
       )
+    emit, hold = _window_end(grads, extra_args, apply, single, may_be_empty, update_shapes)
+
+    operands = (acc_grads, acc_weight, state.inner_state, params, stats)
+    if single:
+      out, inner_state, updated, stats = emit(operands)
+      is_last = jnp.asarray(True)
+      micro_step = jnp.zeros_like(state.micro_step)
+    else:
+      micro_step = state.micro_step + 1
+      is_last = micro_step >= k
+      out, inner_state, updated, stats = parallel.cond(is_last, emit, hold, operands)
+      micro_step = jnp.where(is_last, jnp.zeros_like(micro_step), micro_step)
+    empty = is_last & jnp.logical_not(updated)
+    return out, AccumulateState(
+      micro_step=micro_step,
+      update_count=state.update_count + updated.astype(state.update_count.dtype),
+      acc_grads=acc_grads,
+      acc_weight=acc_weight,
+      inner_state=inner_state,
+      num_skipped=num_skipped,
+      num_empty_windows=state.num_empty_windows + empty.astype(state.num_empty_windows.dtype),
+      updated=updated,
+      noise_stats=stats,
+    )
+
+  def _window_end(grads, extra_args, apply, single, may_be_empty, update_shapes):
+    """The two branches of a call: `emit` (the window's end) and `hold` (a micro-step).
+
+    Both take and return (acc_grads, acc_weight, inner_state, params, stats) ->
+    (updates or params, inner_state, updated, stats).
+    """
 
     def idle(acc_grads, params):
       """What a call that applies nothing returns: zero updates, or the parameters as they are.
@@ -462,27 +524,12 @@ def accumulate(
     def emit(operands):
       """The window's end: all-reduce, mean, `inner`. Runs only in the taken branch."""
       acc_grads, acc_weight, inner_state, params, stats = operands
-      if axis_name is not None:
-        # One psum of the pair; comm_dtype applies to the gradients only, since a
-        # token count in bf16 is exact only up to 256. The noise statistics' two
-        # scalars ride along with the weight: no extra collective.
-        sent = _tree.cast_tree(acc_grads, comm_dtype)
-        scalars = acc_weight
-        if tracking:
-          scalars = jnp.stack([acc_weight, stats.acc_sq, stats.acc_count.astype(acc_weight.dtype)])
-        sent, scalars = lax.psum((sent, scalars), axis_name)
-        acc_grads = _tree.cast_like(sent, acc_grads)
-        acc_weight = scalars[0] if tracking else scalars
+      window_sq = window_count = None
       if tracking:
-        if axis_name is not None:
-          window_sq, window_count = scalars[1], scalars[2]
-        else:
-          window_sq, window_count = stats.acc_sq, stats.acc_count
-        # |g|^2 of the window's mean, from the all-reduced sum: the same on every device.
-        safe = jnp.where(acc_weight > 0, acc_weight, jnp.ones_like(acc_weight))
-        mean_sq = noise.sq_norm(jax.tree.map(lambda a: a / safe.astype(a.dtype), acc_grads), acc_weight.dtype)
-        grad_sq, trace_cov, valid = noise.window_estimates(window_sq, acc_weight, mean_sq, window_count)
-        stats = noise.update_state(stats, grad_sq, trace_cov, valid, ema_decay)
+        window_sq, window_count = stats.acc_sq, stats.acc_count
+      acc_grads, acc_weight, window_sq, window_count = _reduce_window(acc_grads, acc_weight, window_sq, window_count)
+      if tracking:
+        stats = _noise_window_end(stats, acc_grads, acc_weight, window_sq, window_count, ema_decay)
 
       def apply_inner(operands):
         acc_grads, acc_weight, inner_state, params = operands
@@ -514,28 +561,26 @@ def accumulate(
       acc_grads, _, inner_state, params, stats = operands
       return idle(acc_grads, params), inner_state, jnp.asarray(False), stats
 
-    operands = (acc_grads, acc_weight, state.inner_state, params, stats)
-    if single:
-      out, inner_state, updated, stats = emit(operands)
-      is_last = jnp.asarray(True)
-      micro_step = jnp.zeros_like(state.micro_step)
-    else:
-      micro_step = state.micro_step + 1
-      is_last = micro_step >= k
-      out, inner_state, updated, stats = parallel.cond(is_last, emit, hold, operands)
-      micro_step = jnp.where(is_last, jnp.zeros_like(micro_step), micro_step)
-    empty = is_last & jnp.logical_not(updated)
-    return out, AccumulateState(
-      micro_step=micro_step,
-      update_count=state.update_count + updated.astype(state.update_count.dtype),
-      acc_grads=acc_grads,
-      acc_weight=acc_weight,
-      inner_state=inner_state,
-      num_skipped=num_skipped,
-      num_empty_windows=state.num_empty_windows + empty.astype(state.num_empty_windows.dtype),
-      updated=updated,
-      noise_stats=stats,
-    )
+    return emit, hold
+
+  def _reduce_window(acc_grads, acc_weight, window_sq, window_count):
+    """Under `axis_name`, the window end's one all-reduce of (sum w g, sum w) and the noise scalars.
+
+    comm_dtype applies to the gradients only, since a token count in bf16 is
+    exact only up to 256. The noise statistics' two scalars ride along with the
+    weight: no extra collective. Without `axis_name`: the operands as they are.
+    """
+    if axis_name is None:
+      return acc_grads, acc_weight, window_sq, window_count
+    sent = _tree.cast_tree(acc_grads, comm_dtype)
+    scalars = acc_weight
+    if tracking:
+      scalars = jnp.stack([acc_weight, window_sq, window_count.astype(acc_weight.dtype)])
+    sent, scalars = lax.psum((sent, scalars), axis_name)
+    acc_grads = _tree.cast_like(sent, acc_grads)
+    if tracking:
+      return acc_grads, scalars[0], scalars[1], scalars[2]
+    return acc_grads, scalars, None, None
 
   def update(grads, state, params=None, *, weight=None, **extra_args):
     return step(grads, state, params, weight, extra_args, apply=False)
