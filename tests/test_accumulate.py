@@ -14,7 +14,7 @@ import optax
 import pytest
 from conftest import mlp_apply, mlp_init, mse_loss, regression_data
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum as ja
@@ -1102,3 +1102,62 @@ def test_dropped_use_slot_false_matches_optax_multisteps_should_skip(problem):
 def test_dropped_use_slot_must_be_a_bool():
   with pytest.raises(TypeError, match="dropped_use_slot"):
     ja.accumulate(optax.sgd(0.1), 2, dropped_use_slot="no")
+
+
+# ----------------------------------------------------------------------------- noise scale under tensor parallelism
+
+
+def _noise_run(mesh, model_axis, grads, sizes):
+  """noise_scale_ema under a shard_map manual over the mesh; `theta` sharded over `model_axis` (or whole)."""
+  n_data, k = sizes.shape
+  tx = ja.accumulate(optax.set_to_zero(), k, axis_name="data", noise_scale_ema=0.9)
+  params = {"theta": jnp.zeros(grads["theta"].shape[-1]), "b": jnp.zeros(grads["b"].shape[-1])}
+
+  def per_device(state, f, f_theta=None):
+    stats = state.noise_stats
+    f_theta = f if f_theta is None else f_theta
+    return state._replace(
+      acc_grads={"b": f(state.acc_grads["b"]), "theta": f_theta(state.acc_grads["theta"])},
+      acc_weight=f(state.acc_weight),
+      num_skipped=f(state.num_skipped),
+      noise_stats=stats._replace(acc_sq=f(stats.acc_sq), acc_count=f(stats.acc_count)),
+    )
+
+  state = per_device(tx.init(params), lambda a: jnp.stack([a] * n_data))
+  theta_spec = P("data", model_axis)
+  spec = per_device(jax.tree.map(lambda _: P(), state), lambda _: P("data"), lambda _: theta_spec)
+
+  def body(state, g, w):
+    g = jax.tree.map(lambda a: a[0], g)
+    _, state = tx.update(g, per_device(state, lambda a: a[0]), params, weight=w[0])
+    return per_device(state, lambda a: a[None])
+
+  g_spec = {"b": P("data"), "theta": theta_spec}
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, g_spec, P("data")), out_specs=spec))
+  for w_i in range(grads["theta"].shape[0]):
+    for i in range(k):
+      g = jax.tree.map(lambda a: a[w_i, :, i], grads)
+      state = step(state, g, jnp.asarray(sizes[:, i], jnp.float64))
+  return ja.noise_scale(state)
+
+
+def test_noise_scale_under_tensor_parallel_shard_map_sums_the_model_shards():
+  """(data, model) = (4, 2), theta sharded over 'model': the same estimates as the whole theta on 4 data devices.
+
+  Before: each device's |g|^2 covered its model shard only, and the per-device statistics came out varying
+  over 'model' (a raw out_specs error).
+  """
+  windows, d = 6, 8
+  sizes = np.array([[3, 9], [4, 4], [8, 2], [5, 7]])
+  keys = jax.random.split(jax.random.PRNGKey(7), 2)
+  grads = {
+    "theta": jax.random.normal(keys[0], (windows, 4, 2, d), jnp.float64) + 0.5,
+    "b": jax.random.normal(keys[1], (windows, 4, 2, 3), jnp.float64),
+  }
+  tp = _noise_run(jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2), "model", grads, sizes)
+  whole = _noise_run(
+    jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4]), None, grads, sizes
+  )
+  np.testing.assert_allclose(np.asarray(tp.grad_sq), np.asarray(whole.grad_sq), rtol=RTOL)
+  np.testing.assert_allclose(np.asarray(tp.trace_cov), np.asarray(whole.trace_cov), rtol=RTOL)
+  assert np.isfinite(float(tp.b_simple))
