@@ -319,14 +319,33 @@ def accumulate(
       `noise_stats.acc_count` are per device too). Keep the state with a
       leading device axis (pmap: `in_axes=0, out_axes=0`; shard_map: those
       fields sharded `P(axis_name)`); the other fields agree across devices.
+      In the user's own `jax.jit` on a mesh whose `axis_name` axis is Explicit
+      (no pmap/shard_map around): gradients must come unreduced from `ja.grad`
+      (already-reduced ones raise a ValueError naming the leaf and `ja.grad`);
+      `init` on params placed on that mesh makes the accumulator unreduced, it
+      stays so across calls (no collective on a micro-step), and the window
+      end reduces each leaf once into the parameter's sharding. Weights are the
+      call's global (replicated) weights. A mesh with another axis, an Auto
+      mesh, `skip_nonfinite` and `noise_scale_ema` raise there, saying what to
+      use instead (see the guide "Your own jit step").
     accumulator_dtype: dtype of the running sum. None: the wider of float32 and
       each gradient's dtype (bf16 -> float32, float64 stays float64).
     comm_dtype: dtype on the wire for the window-end all-reduce (e.g.
-      `jnp.bfloat16`); accumulation stays in `accumulator_dtype`.
+      `jnp.bfloat16`); accumulation stays in `accumulator_dtype`. The wire is
+      normalised: the scalar total sum w is all-reduced first (its own dtype),
+      then each device sends its share (sum_local w g) / (sum w) of the mean,
+      which is of a gradient's size (sum w g of token-count weights can exceed
+      float16's range; the mean does not).
     skip_nonfinite: drop a microbatch of weight > 0 whose gradient holds a NaN
       or Inf (its weight is not counted; `num_skipped` counts it). A window
       with nothing kept is an empty window (see above). Without it such a
       microbatch is added as it is: NaN reaches the update (the user's choice).
+    dropped_use_slot: whether a dropped microbatch (invalid traced weight, or
+      with `skip_nonfinite` a NaN/Inf gradient) still uses one of the window's
+      `every_k` slots. True (default): windows are always `every_k` calls.
+      False: it does not advance the window, as `optax.MultiSteps`'
+      `should_skip_update_fn`: the window ends after `every_k` microbatches that
+      were not dropped (weight 0 is valid and uses its slot).
     noise_scale_ema: None (off), or a decay in [0, 1): measure the gradient
       noise scale of McCandlish et al. (2018) (see `jaxaccum.noise` for the
       estimator and its derivation). Each window with K >= 2 microbatches of
@@ -335,8 +354,10 @@ def accumulate(
       the weights as batch sizes; their EMAs with this decay are in
       `state.noise_stats`, read with `ja.noise_scale(state)`. A microbatch of
       weight 0 or dropped does not count; a window with K < 2 leaves the
-      averages as they were. Cost: one squared norm per microbatch, fused
-      with the add, and scalars: under `axis_name` two scalars join the
+      averages as they were. Under a shard_map manual over (data, model), a
+      leaf varying over "model" (tensor-parallel) has its squared norm summed
+      over the model shards (a scalar psum). Cost: one squared norm per
+      microbatch (read with the add; XLA:CPU does not fuse the two), and scalars: under `axis_name` two scalars join the
       all-reduce the window end does anyway (no extra collective). The
       updates are the same bit for bit; `inner` additionally receives the
       extra arguments `noise_scale=` (a `ja.NoiseScale`, this window
