@@ -59,9 +59,9 @@ def mesh_of(tree=None):
     sharding = getattr(leaf, "sharding", None) if not isinstance(leaf, jax.core.Tracer) else None
     if sharding is None:
       sharding = getattr(jax.typeof(leaf), "sharding", None) if hasattr(leaf, "shape") else None
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and not getattr(mesh, "empty", False) and getattr(mesh, "axis_names", ()):
-      return mesh
+    leaf_mesh: Any = getattr(sharding, "mesh", None)
+    if leaf_mesh is not None and not getattr(leaf_mesh, "empty", False) and tuple(getattr(leaf_mesh, "axis_names", ())):
+      return leaf_mesh
   return None
 
 

@@ -119,8 +119,8 @@ def value_and_grad(
       it = iter(array_values)
       return jax.tree.unflatten(treedef, [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)])
 
-    def body(*local):
-      local = [lax.pcast(x, axis_name, to="varying") if d else x for x, d in zip(local, diff_leaf, strict=True)]
+    def body(*local_args):
+      local = [lax.pcast(x, axis_name, to="varying") if d else x for x, d in zip(local_args, diff_leaf, strict=True)]
       full = rebuild(local)
       diff = tuple(full[i] for i in nums)
 

@@ -73,4 +73,4 @@ def main(argv=None) -> int:
 
 
 # Your own jit step on an Explicit mesh (issue 19): collectives per window of ja.grad + ja.accumulate.
-SECTIONS = (*SECTIONS, "grad")
+SECTIONS = (*SECTIONS, "grad")  # type: ignore[assignment]
