@@ -113,8 +113,12 @@ def explicit_mesh(axis_name, tree=None, *, what: str, arg: str = "axis_name"):
 
 
 def is_unreduced(x, axis_name) -> bool:
-  """True when `x` is typed unreduced over every name of `axis_name` (a partial sum per device)."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
+  """True when `x` (an array, a tracer, or a `jax.eval_shape` result) is typed unreduced over every name of
+  `axis_name` (a partial sum per device)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    sharding = x.sharding
+  else:
+    sharding = getattr(jax.typeof(x), "sharding", None)
   unreduced = getattr(getattr(sharding, "spec", None), "unreduced", None) or frozenset()
   return all(n in unreduced for n in names(axis_name))
 
@@ -138,7 +142,7 @@ def target_spec(like) -> P:
   spec = getattr(getattr(jax.typeof(like), "sharding", None), "spec", None)
   if spec is None:
     return P()
-  return P(*spec)
+  return P(*spec.partitions)  # `*spec` is refused on a spec with an unreduced/reduced set
 
 
 def reduce(x, axis_name, spec: P = P(), comm_dtype: Any = None):  # noqa: B008 -- an immutable spec

@@ -555,9 +555,10 @@ def accumulate(
     # over the axis is reduce-scattered), replicated when no params are given.
     targets = None
     if unreduced:
-      targets = jax.tree.map(lambda g, p: _unreduced.target_spec(p), grads, params if params is not None else grads)
       if params is None:
         targets = jax.tree.map(lambda _: P(), grads)
+      else:
+        targets = jax.tree.map(lambda g, p: _unreduced.target_spec(p), grads, params)
     update_shapes = None
     if not apply and (may_be_empty or not single):
       # The dtypes (and shardings) `inner` gives its updates (trace time only),

@@ -48,7 +48,7 @@ def _argnums_tuple(argnums) -> tuple[int, ...]:
 def _spec_of(x) -> P:
   """The sharding spec `x` has here (P() for a value without one); unreduced/reduced parts dropped."""
   spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-  return P() if spec is None else P(*spec)
+  return P() if spec is None else P(*spec.partitions)  # `*spec` is refused with an unreduced/reduced set
 
 
 def value_and_grad(

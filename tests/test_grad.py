@@ -292,6 +292,8 @@ def test_unreduced_helpers_for_the_microbatch_loop():
       return out, _unreduced.reduce(acc, "data", comm_dtype=jnp.float32)
 
     out, out32 = loop(xs)
+    shape = jax.eval_shape(ja.grad(lambda a, x: jnp.mean(a * x), axis_name="data"), jnp.float64(1.0), xs)
+    assert _unreduced.is_unreduced(shape, "data")  # what eval_shape says, before the loop's init
   np.testing.assert_allclose(out, 4 * 7.5, rtol=RTOL)
   np.testing.assert_allclose(out32, 4 * 7.5, rtol=1e-7)
 
@@ -328,3 +330,26 @@ def test_shard_map_users_init_is_unchanged_on_unplaced_params():
   auto = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Auto,))
   state = tx.init(jax.device_put(params, NamedSharding(auto, P())))
   assert not _unreduced.is_unreduced(state.acc_grads["w"], "data")
+
+
+def test_update_without_params_reduces_into_replicated_updates():
+  """tx.update(grads, state) with no params: the window's mean comes back replicated, zeros on micro-steps."""
+  params = {"w": jnp.arange(3.0, dtype=jnp.float64)}
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 3), jnp.float64)
+
+  def loss(q, x):
+    return jnp.mean((x @ q["w"]) ** 2)
+
+  mesh = explicit_mesh()
+  tx = ja.accumulate(optax.sgd(0.5), 2, axis_name="data")
+  with jax.set_mesh(mesh):
+    state = tx.init(jax.device_put(params, NamedSharding(mesh, P())))
+    step = jax.jit(lambda s, x: tx.update(ja.grad(loss, axis_name="data")(params, x), s))
+    outs = []
+    for i in range(2):
+      u, state = step(state, jax.device_put(x[i], NamedSharding(mesh, P("data"))))
+      assert not _unreduced.is_unreduced(u["w"], "data")
+      outs.append(u["w"])
+  np.testing.assert_array_equal(outs[0], np.zeros(3))
+  expected = -0.5 * jax.grad(loss)(params, x.reshape(32, 3))["w"]
+  np.testing.assert_allclose(outs[1], expected, rtol=RTOL)
