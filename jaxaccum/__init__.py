@@ -29,6 +29,8 @@ __all__ = [
   "AccumulateState",
   "accumulate",
   "has_updated",
+  "grad",
+  "value_and_grad",
   "microbatch",
   "pad_microbatches",
   "make_train_step",
@@ -61,3 +63,6 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# Your own jit step on an Explicit mesh (issue 19): gradients left unreduced over the data axis.
+from jaxaccum.grad import grad, value_and_grad  # noqa: E402  (the function shadows the submodule's name)

@@ -40,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _tree, noise, parallel
+from jaxaccum import _tree, _unreduced, noise, parallel
 
 EveryK = int | Callable[[jax.Array], Any]
 
@@ -137,6 +138,119 @@ def _check_weight(weight):
   return weight
 
 
+def _which_count(grads, weight, acc_grads, acc_weight, skip_nonfinite: bool):
+  """Weight checks: which microbatch counts. Returns (keep, dropped), boolean scalars or None.
+
+  weight == 0: a normal microbatch that adds nothing (even a NaN gradient:
+  selected, never multiplied by 0). An invalid traced weight (NaN, Inf, < 0):
+  dropped and counted. With skip_nonfinite, a NaN/Inf gradient of weight > 0:
+  dropped and counted. `keep` is None where every microbatch counts by
+  construction, `dropped` None where none can be dropped.
+  """
+  keep = dropped = None
+  acc_dtypes = sorted({x.dtype for x in jax.tree.leaves(acc_grads)} | {acc_weight.dtype}, key=str)
+  if weight is not None:
+    # Checked in every dtype the weight is cast to: 7e4 is finite in int32 but Inf in a float16 accumulator.
+    valid = (weight >= 0) & jnp.all(jnp.stack([jnp.isfinite(weight.astype(d)) for d in acc_dtypes]))
+    keep, dropped = valid & (weight > 0), jnp.logical_not(valid)
+  if skip_nonfinite:
+    # What would be added, w g in the accumulator's dtype: an overflow of the product counts as non-finite.
+    if weight is None:
+      finite = _tree.all_finite(jax.tree.map(lambda acc, g: g.astype(acc.dtype), acc_grads, grads))
+    else:
+      finite = _tree.all_finite(
+        jax.tree.map(lambda acc, g: g.astype(acc.dtype) * weight.astype(acc.dtype), acc_grads, grads)
+      )
+    bad_grads = jnp.logical_not(finite) if keep is None else keep & jnp.logical_not(finite)
+    keep = finite if keep is None else keep & finite
+    dropped = bad_grads if dropped is None else dropped | bad_grads
+  return keep, dropped
+
+
+def _add(acc_grads, acc_weight, grads, weight, keep, new_window, scale=None):
+  """The micro-step: one fused pass per leaf, acc <- (new window ? 0 : acc) + (keep ? w g : 0).
+
+  The accumulator is reset lazily, on the first add of the next window,
+  rather than zeroed at the window's end: that keeps the add outside the
+  cond and in place in a donated buffer (XLA copies values that pass
+  through a branch, and operands a branch shares with an in-place write).
+  Returns (acc_grads, acc_weight, w), w this microbatch's counted weight.
+  `scale(g, w)` multiplies a gradient by the weight (unreduced gradients need
+  the weight cast to reduced first, see `_unreduced.scale`).
+  """
+
+  def add_leaf(acc, g):
+    g = g.astype(acc.dtype)
+    if weight is not None:
+      g = g * weight.astype(acc.dtype) if scale is None else scale(g, weight)
+    if keep is not None:
+      g = jnp.where(keep, g, jnp.zeros_like(g))  # NaN * 0 is NaN: select, don't scale.
+    return jnp.where(new_window, jnp.zeros_like(acc), acc) + g
+
+  new_acc = jax.tree.map(add_leaf, acc_grads, grads)
+  w = jnp.ones([], acc_weight.dtype) if weight is None else weight.astype(acc_weight.dtype)
+  if keep is not None:
+    w = jnp.where(keep, w, jnp.zeros_like(w))
+  new_weight = jnp.where(new_window, jnp.zeros_like(w), acc_weight) + w
+  return new_acc, new_weight, w
+
+
+def _sum_over_shards(sq_by_leaf, leaves, dtype, axis_name):
+  """sum of per-leaf squared norms, each leaf's partial norm summed over the manual axes it is sharded on.
+
+  Inside a `jax.shard_map` manual over (data, model), a tensor-parallel leaf's
+  gradient is varying over "model": its squared norm on one device covers only
+  its model shard, and the shards' must be added (a scalar psum over "model"). A
+  leaf invariant over "model" is whole on every device and must not be added
+  twice. Leaves are grouped by the extra axes (besides `axis_name`, whose sum
+  the window end does) and each group's scalar is psummed once. Without such
+  leaves this is the plain sum in leaf order (bit for bit as before).
+  """
+  own = set(_unreduced.names(axis_name)) if axis_name is not None else set()
+  groups: dict[tuple, Any] = {}
+  for sq, leaf in zip(sq_by_leaf, leaves, strict=True):
+    extra = tuple(sorted((parallel._varying_axes(leaf) or frozenset()) - own))  # noqa: SLF001
+    groups[extra] = (groups[extra] if extra in groups else jnp.zeros([], dtype)) + sq
+  total = groups.pop((), jnp.zeros([], dtype))
+  for extra, sq in groups.items():
+    total = total + lax.psum(sq, extra)
+  return total
+
+
+def _noise_micro_step(stats, acc_grads, grads, w, new_window, axis_name=None):
+  """Noise statistics of one microbatch: sum_i w_i |g_i|^2 and K, per device, reset lazily like acc_weight.
+
+  The squared norm reads the same cast gradient as the add; XLA:CPU does not
+  fuse the two (a second read of the gradient: +16% per window at 8-row
+  microbatches, +2-3% at 128 rows; a dot instead of sum(g*g) is no faster).
+  """
+  leaves = jax.tree.leaves(grads)
+  sqs = []
+  for acc, g in zip(jax.tree.leaves(acc_grads), leaves, strict=True):
+    g = g.astype(acc.dtype)
+    sqs.append(jnp.sum(g * g).astype(w.dtype))
+  sq = _sum_over_shards(sqs, leaves, w.dtype, axis_name)
+  counted = w > 0
+  sq = jnp.where(counted, w * sq, jnp.zeros_like(sq))  # a NaN gradient of weight 0: selected out.
+  return stats._replace(
+    acc_sq=jnp.where(new_window, jnp.zeros_like(sq), stats.acc_sq) + sq,
+    acc_count=jnp.where(new_window, jnp.zeros_like(stats.acc_count), stats.acc_count)
+    + counted.astype(stats.acc_count.dtype),
+  )
+
+
+def _noise_window_end(stats, mean, acc_weight, window_sq, window_count, ema_decay: float, axis_name=None):
+  """The window's noise estimates from its (all-reduced) sums, folded into the EMAs.
+
+  |g|^2 of the window's mean comes from the all-reduced sum: the same on every device.
+  """
+  leaves = jax.tree.leaves(mean)
+  dtype = acc_weight.dtype
+  mean_sq = _sum_over_shards([jnp.sum(jnp.square(x.astype(dtype))) for x in leaves], leaves, dtype, axis_name)
+  grad_sq, trace_cov, valid = noise.window_estimates(window_sq, acc_weight, mean_sq, window_count)
+  return noise.update_state(stats, grad_sq, trace_cov, valid, ema_decay)
+
+
 def accumulate(
   inner: optax.GradientTransformation,
   every_k: EveryK,
@@ -146,6 +260,7 @@ def accumulate(
   comm_dtype: Any = None,
   skip_nonfinite: bool = False,
   noise_scale_ema: float | None = None,
+  dropped_use_slot: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates gradients over `every_k` update calls, then applies `inner` once.
 
@@ -204,14 +319,33 @@ def accumulate(
       `noise_stats.acc_count` are per device too). Keep the state with a
       leading device axis (pmap: `in_axes=0, out_axes=0`; shard_map: those
       fields sharded `P(axis_name)`); the other fields agree across devices.
+      In the user's own `jax.jit` on a mesh whose `axis_name` axis is Explicit
+      (no pmap/shard_map around): gradients must come unreduced from `ja.grad`
+      (already-reduced ones raise a ValueError naming the leaf and `ja.grad`);
+      `init` on params placed on that mesh makes the accumulator unreduced, it
+      stays so across calls (no collective on a micro-step), and the window
+      end reduces each leaf once into the parameter's sharding. Weights are the
+      call's global (replicated) weights. A mesh with another axis, an Auto
+      mesh, `skip_nonfinite` and `noise_scale_ema` raise there, saying what to
+      use instead (see the guide "Your own jit step").
     accumulator_dtype: dtype of the running sum. None: the wider of float32 and
       each gradient's dtype (bf16 -> float32, float64 stays float64).
     comm_dtype: dtype on the wire for the window-end all-reduce (e.g.
-      `jnp.bfloat16`); accumulation stays in `accumulator_dtype`.
+      `jnp.bfloat16`); accumulation stays in `accumulator_dtype`. The wire is
+      normalised: the scalar total sum w is all-reduced first (its own dtype),
+      then each device sends its share (sum_local w g) / (sum w) of the mean,
+      which is of a gradient's size (sum w g of token-count weights can exceed
+      float16's range; the mean does not).
     skip_nonfinite: drop a microbatch of weight > 0 whose gradient holds a NaN
       or Inf (its weight is not counted; `num_skipped` counts it). A window
       with nothing kept is an empty window (see above). Without it such a
       microbatch is added as it is: NaN reaches the update (the user's choice).
+    dropped_use_slot: whether a dropped microbatch (invalid traced weight, or
+      with `skip_nonfinite` a NaN/Inf gradient) still uses one of the window's
+      `every_k` slots. True (default): windows are always `every_k` calls.
+      False: it does not advance the window, as `optax.MultiSteps`'
+      `should_skip_update_fn`: the window ends after `every_k` microbatches that
+      were not dropped (weight 0 is valid and uses its slot).
     noise_scale_ema: None (off), or a decay in [0, 1): measure the gradient
       noise scale of McCandlish et al. (2018) (see `jaxaccum.noise` for the
       estimator and its derivation). Each window with K >= 2 microbatches of
@@ -220,8 +354,10 @@ def accumulate(
       the weights as batch sizes; their EMAs with this decay are in
       `state.noise_stats`, read with `ja.noise_scale(state)`. A microbatch of
       weight 0 or dropped does not count; a window with K < 2 leaves the
-      averages as they were. Cost: one squared norm per microbatch, fused
-      with the add, and scalars: under `axis_name` two scalars join the
+      averages as they were. Under a shard_map manual over (data, model), a
+      leaf varying over "model" (tensor-parallel) has its squared norm summed
+      over the model shards (a scalar psum). Cost: one squared norm per
+      microbatch (read with the add; XLA:CPU does not fuse the two), and scalars: under `axis_name` two scalars join the
       all-reduce the window end does anyway (no extra collective). The
       updates are the same bit for bit; `inner` additionally receives the
       extra arguments `noise_scale=` (a `ja.NoiseScale`, this window
@@ -282,14 +418,38 @@ def accumulate(
       raise ValueError(f"{comm_dtype=} must be a floating dtype")
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"{skip_nonfinite=} must be a bool")
+  if not isinstance(dropped_use_slot, bool):
+    raise TypeError(f"{dropped_use_slot=} must be a bool")
   inner = optax.with_extra_args_support(inner)
 
+  def explicit_mode(tree) -> Any:
+    """The Explicit mesh when `axis_name` means "unreduced in the user's own jit" (see `_unreduced`), else None.
+
+    That is: the axis is not bound (no pmap/shard_map around us) and the mesh of
+    the context or of `tree` has it as its one Explicit axis. Anything else
+    keeps the pmap/shard_map meaning, so a shard_map user's init is unchanged.
+    """
+    if axis_name is None or _unreduced.is_bound(axis_name):
+      return None
+    mesh = _unreduced.mesh_of(tree)
+    return mesh if _unreduced.usable(mesh, axis_name) else None
+
   def init(params):
-    # zeros_like, not zeros(shape): the accumulator takes each parameter's
-    # sharding (eager, and inside jit where it is known, e.g. Explicit axes).
-    acc_grads = jax.tree.map(
-      lambda p: jnp.zeros_like(p, dtype=_tree.accumulator_dtype(_tree.dtype_of(p), accumulator_dtype)), params
-    )
+    mesh = explicit_mode(params)
+    if mesh is not None:
+      # Each device's partial sum, across calls: typed {U:axis}, no collective until the window end.
+      acc_grads = jax.tree.map(
+        lambda p: _unreduced.zeros(
+          jnp.shape(p), _tree.accumulator_dtype(_tree.dtype_of(p), accumulator_dtype), mesh, axis_name
+        ),
+        params,
+      )
+    else:
+      # zeros_like, not zeros(shape): the accumulator takes each parameter's
+      # sharding (eager, and inside jit where it is known, e.g. Explicit axes).
+      acc_grads = jax.tree.map(
+        lambda p: jnp.zeros_like(p, dtype=_tree.accumulator_dtype(_tree.dtype_of(p), accumulator_dtype)), params
+      )
     weight_dtype = _tree.widest(x.dtype for x in jax.tree.leaves(acc_grads))
     return AccumulateState(
       micro_step=jnp.zeros([], jnp.int32),
@@ -362,157 +522,60 @@ def accumulate(
     if apply:
       _tree.check_same_structure(params, state.acc_grads, "params", "the accumulator state.acc_grads")
     weight = _check_weight(weight)
+    unreduced = False
     if axis_name is not None:
-      parallel.check_axis_name(axis_name)
-      parallel.check_varying(grads, axis_name)
-
-    # Which microbatches count. weight == 0: a normal microbatch that adds
-    # nothing (even a NaN gradient: selected, never multiplied by 0). An
-    # invalid traced weight (NaN, Inf, < 0): dropped and counted. With
-    # skip_nonfinite, a NaN/Inf gradient of weight > 0: dropped and counted.
-    # `keep` is None where every microbatch counts by construction.
-    keep = dropped = None
-    acc_dtypes = sorted({x.dtype for x in jax.tree.leaves(state.acc_grads)} | {state.acc_weight.dtype}, key=str)
-    if weight is not None:
-      # Checked in every dtype the weight is cast to: 7e4 is finite in int32 but Inf in a float16 accumulator.
-      valid = (weight >= 0) & jnp.all(jnp.stack([jnp.isfinite(weight.astype(d)) for d in acc_dtypes]))
-      keep, dropped = valid & (weight > 0), jnp.logical_not(valid)
-    if skip_nonfinite:
-      # What would be added, w g in the accumulator's dtype: an overflow of the product counts as non-finite.
-      if weight is None:
-        finite = _tree.all_finite(jax.tree.map(lambda acc, g: g.astype(acc.dtype), state.acc_grads, grads))
+      if _unreduced.is_bound(axis_name):
+        parallel.check_varying(grads, axis_name)
       else:
-        finite = _tree.all_finite(
-          jax.tree.map(lambda acc, g: g.astype(acc.dtype) * weight.astype(acc.dtype), state.acc_grads, grads)
-        )
-      bad_grads = jnp.logical_not(finite) if keep is None else keep & jnp.logical_not(finite)
-      keep = finite if keep is None else keep & finite
-      dropped = bad_grads if dropped is None else dropped | bad_grads
+        # Not under pmap/shard_map: the user's own jit on an Explicit mesh, or a clear error.
+        _unreduced.explicit_mesh(axis_name, grads, what="ja.accumulate")
+        check_explicit(grads, state)
+        unreduced = True
+
+    keep, dropped = _which_count(grads, weight, state.acc_grads, state.acc_weight, skip_nonfinite)
     num_skipped = state.num_skipped
     if dropped is not None:
       num_skipped = num_skipped + dropped.astype(jnp.int32)
-
-    # The micro-step: one fused pass per leaf, acc <- (new window ? 0 : acc) + (keep ? w g : 0).
-    # The accumulator is reset lazily, on the first add of the next window,
-    # rather than zeroed at the window's end: that keeps the add outside the
-    # cond and in place in a donated buffer (XLA copies values that pass
-    # through a branch, and operands a branch shares with an in-place write).
     new_window = state.micro_step == 0
-
-    def add_leaf(acc, g):
-      g = g.astype(acc.dtype)
-      if weight is not None:
-        g = g * weight.astype(acc.dtype)
-      if keep is not None:
-        g = jnp.where(keep, g, jnp.zeros_like(g))  # NaN * 0 is NaN: select, don't scale.
-      return jnp.where(new_window, jnp.zeros_like(acc), acc) + g
-
-    acc_grads = jax.tree.map(add_leaf, state.acc_grads, grads)
-    w = jnp.ones([], state.acc_weight.dtype) if weight is None else weight.astype(state.acc_weight.dtype)
-    if keep is not None:
-      w = jnp.where(keep, w, jnp.zeros_like(w))
-    acc_weight = jnp.where(new_window, jnp.zeros_like(w), state.acc_weight) + w
+    scale = (lambda g, w: _unreduced.scale(g, w, axis_name)) if unreduced else None
+    acc_grads, acc_weight, w = _add(state.acc_grads, state.acc_weight, grads, weight, keep, new_window, scale)
     stats = state.noise_stats
     if tracking:
-      # sum_i w_i |g_i|^2 and K, per device, reset lazily like acc_weight. The
-      # squared norm reads the same cast gradient as the add; XLA:CPU does not fuse
-      # the two (a second read of the gradient: +16% per window at 8-row
-      # microbatches, +2-3% at 128 rows; a dot instead of sum(g*g) is no faster).
-      sq = jnp.zeros([], w.dtype)
-      for acc, g in zip(jax.tree.leaves(state.acc_grads), jax.tree.leaves(grads), strict=True):
-        g = g.astype(acc.dtype)
-        sq = sq + jnp.sum(g * g).astype(w.dtype)
-      counted = w > 0
-      sq = jnp.where(counted, w * sq, jnp.zeros_like(sq))  # a NaN gradient of weight 0: selected out.
-      stats = stats._replace(
-        acc_sq=jnp.where(new_window, jnp.zeros_like(sq), stats.acc_sq) + sq,
-        acc_count=jnp.where(new_window, jnp.zeros_like(stats.acc_count), stats.acc_count)
-        + counted.astype(stats.acc_count.dtype),
-      )
+      stats = _noise_micro_step(stats, state.acc_grads, grads, w, new_window, axis_name)
 
     k = window_length(state)
-    single = isinstance(k, int) and k == 1
+    # Without dropped_use_slot, a dropped microbatch does not advance the window
+    # (optax.MultiSteps' should_skip_update_fn): even k = 1 then needs the cond.
+    slot_may_be_kept = not dropped_use_slot and dropped is not None
+    single = isinstance(k, int) and k == 1 and not slot_may_be_kept
     # A window can end empty (total weight 0) only if some microbatch may not count;
     # a window-end call that counts by construction (weight 1) makes it non-empty.
     may_be_empty = keep is not None
-
+    # Where the window's mean lands: each parameter's own sharding (a leaf sharded
+    # over the axis is reduce-scattered), replicated when no params are given.
+    targets = None
+    if unreduced:
+      if params is None:
+        targets = jax.tree.map(lambda _: P(), grads)
+      else:
+        targets = jax.tree.map(lambda g, p: _unreduced.target_spec(p), grads, params)
     update_shapes = None
     if not apply and (may_be_empty or not single):
-      # The dtypes `inner` gives its updates (trace time only), so that the zero
-      # updates of a call that applies nothing have the same ones.
+      # The dtypes (and shardings) `inner` gives its updates (trace time only),
+      # so that the zero updates of a call that applies nothing have the same ones.
+      def reduced_like(g, t):
+        return jax.reshard(g, t) if unreduced else g
+
       update_shapes = jax.eval_shape(
-        lambda g, s, p, ns: inner.update(g, s, p, **extra_args, **noise_args(ns, acc_weight))[0],
+        lambda g, s, p, ns: inner.update(
+          jax.tree.map(reduced_like, g, targets if unreduced else g), s, p, **extra_args, **noise_args(ns, acc_weight)
+        )[0],
         grads,
         state.inner_state,
         params,
         stats,
       )
-
-    def idle(acc_grads, params):
-      """What a call that applies nothing returns: zero updates, or the parameters as they are.
-
-      The zeros carry each parameter's sharding, as the window end's updates do
-      (under Explicit mesh axes the two branches of the cond must agree on it),
-      but not the local accumulator's varying axes (see `_tree.zeros_like_sharded`).
-      """
-      if apply:
-        return params
-      return jax.tree.map(lambda a, u: _tree.zeros_like_sharded(a, u.dtype), acc_grads, update_shapes)
-
-    def emit(operands):
-      """The window's end: all-reduce, mean, `inner`. Runs only in the taken branch."""
-      acc_grads, acc_weight, inner_state, params, stats = operands
-      if axis_name is not None:
-        # One psum of the pair; comm_dtype applies to the gradients only, since a
-        # token count in bf16 is exact only up to 256. The noise statistics' two
-        # scalars ride along with the weight: no extra collective.
-        sent = _tree.cast_tree(acc_grads, comm_dtype)
-        scalars = acc_weight
-        if tracking:
-          scalars = jnp.stack([acc_weight, stats.acc_sq, stats.acc_count.astype(acc_weight.dtype)])
-        sent, scalars = lax.psum((sent, scalars), axis_name)
-        acc_grads = _tree.cast_like(sent, acc_grads)
-        acc_weight = scalars[0] if tracking else scalars
-      if tracking:
-        if axis_name is not None:
-          window_sq, window_count = scalars[1], scalars[2]
-        else:
-          window_sq, window_count = stats.acc_sq, stats.acc_count
-        # |g|^2 of the window's mean, from the all-reduced sum: the same on every device.
-        safe = jnp.where(acc_weight > 0, acc_weight, jnp.ones_like(acc_weight))
-        mean_sq = noise.sq_norm(jax.tree.map(lambda a: a / safe.astype(a.dtype), acc_grads), acc_weight.dtype)
-        grad_sq, trace_cov, valid = noise.window_estimates(window_sq, acc_weight, mean_sq, window_count)
-        stats = noise.update_state(stats, grad_sq, trace_cov, valid, ema_decay)
-
-      def apply_inner(operands):
-        acc_grads, acc_weight, inner_state, params = operands
-        if single and axis_name is None:
-          # The mean of one microbatch is its gradient: pass it as it is, so that
-          # every_k=1 is `inner` bit for bit (w g / w need not round back to g).
-          mean = grads
-        else:
-          mean = jax.tree.map(lambda a, g: (a / acc_weight.astype(a.dtype)).astype(g.dtype), acc_grads, grads)
-        updates, inner_state = inner.update(mean, inner_state, params, **extra_args, **noise_args(stats, acc_weight))
-        return (optax.apply_updates(params, updates) if apply else updates), inner_state, jnp.asarray(True)
-
-      def skip_inner(operands):
-        acc_grads, _, inner_state, params = operands
-        return idle(acc_grads, params), inner_state, jnp.asarray(False)
-
-      if may_be_empty:
-        # Under axis_name the all-reduced total decides: the same on every device.
-        out = parallel.cond(acc_weight > 0, apply_inner, skip_inner, (acc_grads, acc_weight, inner_state, params))
-      else:
-        out = apply_inner((acc_grads, acc_weight, inner_state, params))
-      return (*out, stats)
-
-    def hold(operands):
-      """A micro-step: `inner`'s state (and with `apply` the parameters) pass through untouched.
-
-      Passed-through operands are aliased by XLA when the caller donates them: no copy.
-      """
-      acc_grads, _, inner_state, params, stats = operands
-      return idle(acc_grads, params), inner_state, jnp.asarray(False), stats
+    emit, hold = _window_end(grads, extra_args, apply, single, may_be_empty, update_shapes, targets)
 
     operands = (acc_grads, acc_weight, state.inner_state, params, stats)
     if single:
@@ -520,7 +583,8 @@ def accumulate(
       is_last = jnp.asarray(True)
       micro_step = jnp.zeros_like(state.micro_step)
     else:
-      micro_step = state.micro_step + 1
+      step_size = 1 if not slot_may_be_kept else jnp.logical_not(dropped).astype(state.micro_step.dtype)
+      micro_step = state.micro_step + step_size
       is_last = micro_step >= k
       out, inner_state, updated, stats = parallel.cond(is_last, emit, hold, operands)
       micro_step = jnp.where(is_last, jnp.zeros_like(micro_step), micro_step)
@@ -536,6 +600,139 @@ def accumulate(
       updated=updated,
       noise_stats=stats,
     )
+
+  def _window_end(grads, extra_args, apply, single, may_be_empty, update_shapes, targets):
+    """The two branches of a call: `emit` (the window's end) and `hold` (a micro-step).
+
+    Both take and return (acc_grads, acc_weight, inner_state, params, stats) ->
+    (updates or params, inner_state, updated, stats).
+    """
+
+    def idle(acc_grads, params):
+      """What a call that applies nothing returns: zero updates, or the parameters as they are.
+
+      The zeros carry each parameter's sharding, as the window end's updates do
+      (under Explicit mesh axes the two branches of the cond must agree on it),
+      but not the local accumulator's varying axes (see `_tree.zeros_like_sharded`).
+      """
+      if apply:
+        return params
+      if targets is not None:  # unreduced: the accumulator's type is not the updates' (see `targets`)
+        return jax.tree.map(lambda u, t: jnp.zeros(u.shape, u.dtype, out_sharding=t), update_shapes, targets)
+      return jax.tree.map(lambda a, u: _tree.zeros_like_sharded(a, u.dtype), acc_grads, update_shapes)
+
+    def emit(operands):
+      """The window's end: all-reduce, mean, `inner`. Runs only in the taken branch."""
+      acc_grads, acc_weight, inner_state, params, stats = operands
+      window_sq = window_count = None
+      if tracking:
+        window_sq, window_count = stats.acc_sq, stats.acc_count
+      mean, acc_weight, window_sq, window_count = _reduce_window(
+        acc_grads, acc_weight, window_sq, window_count, targets
+      )
+      if tracking:
+        stats = _noise_window_end(stats, mean, acc_weight, window_sq, window_count, ema_decay, axis_name)
+
+      def apply_inner(operands):
+        mean, acc_weight, inner_state, params = operands
+        if single and axis_name is None:
+          # The mean of one microbatch is its gradient: pass it as it is, so that
+          # every_k=1 is `inner` bit for bit (w g / w need not round back to g).
+          mean = grads
+        else:
+          mean = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, grads)
+        updates, inner_state = inner.update(mean, inner_state, params, **extra_args, **noise_args(stats, acc_weight))
+        return (optax.apply_updates(params, updates) if apply else updates), inner_state, jnp.asarray(True)
+
+      def skip_inner(operands):
+        acc_grads, _, inner_state, params = operands
+        return idle(acc_grads, params), inner_state, jnp.asarray(False)
+
+      if may_be_empty:
+        # Under axis_name the all-reduced total decides: the same on every device.
+        out = parallel.cond(acc_weight > 0, apply_inner, skip_inner, (mean, acc_weight, inner_state, params))
+      else:
+        out = apply_inner((mean, acc_weight, inner_state, params))
+      return (*out, stats)
+
+    def hold(operands):
+      """A micro-step: `inner`'s state (and with `apply` the parameters) pass through untouched.
+
+      Passed-through operands are aliased by XLA when the caller donates them: no copy.
+      """
+      acc_grads, _, inner_state, params, stats = operands
+      return idle(acc_grads, params), inner_state, jnp.asarray(False), stats
+
+    return emit, hold
+
+  def _reduce_window(acc_grads, acc_weight, window_sq, window_count, targets):
+    """The window's mean sum w g / sum w, its total weight sum w and noise scalars, reduced over `axis_name`.
+
+    Returns (mean in the accumulator's dtypes, total weight, window_sq, window_count).
+    Without `axis_name`: the local mean. Under pmap/shard_map: one all-reduce
+    of (sum w g, sum w), the noise statistics' two scalars riding along with the
+    weight (no extra collective). With `comm_dtype` the wire is normalised: the
+    scalars are all-reduced first, then each device sends its share
+    (sum_local w g) / (sum w) of the mean, so a float16 wire does not overflow on
+    token-count weights (the sum w g itself can exceed 65504 while the mean is
+    small); the weight never crosses in comm_dtype (a token count in bf16 is
+    exact only up to 256). Unreduced (the user's own jit on an Explicit mesh,
+    `targets` given): the total weight is already global (weights are
+    replicated), and each leaf is reduced once into its target sharding.
+    """
+
+    def divide(sums, total):
+      safe = jnp.where(total > 0, total, jnp.ones_like(total))  # an empty window: no 0/0 (it applies nothing)
+      return jax.tree.map(lambda a: a / safe.astype(a.dtype), sums)
+
+    if axis_name is None:
+      return divide(acc_grads, acc_weight), acc_weight, window_sq, window_count
+    if targets is not None:
+      if comm_dtype is None:
+        sums = jax.tree.map(lambda a, t: _unreduced.reduce(a, axis_name, t), acc_grads, targets)
+        return divide(sums, acc_weight), acc_weight, window_sq, window_count
+      safe = jnp.where(acc_weight > 0, acc_weight, jnp.ones_like(acc_weight))
+      mean = jax.tree.map(
+        lambda a, t: _unreduced.reduce(_unreduced.scale(a, 1 / safe, axis_name), axis_name, t, comm_dtype),
+        acc_grads,
+        targets,
+      )
+      return mean, acc_weight, window_sq, window_count
+    scalars = acc_weight
+    if tracking:
+      scalars = jnp.stack([acc_weight, window_sq, window_count.astype(acc_weight.dtype)])
+    if comm_dtype is None:
+      sums, scalars = lax.psum((acc_grads, scalars), axis_name)
+      total = scalars[0] if tracking else scalars
+      mean = divide(sums, total)
+    else:
+      scalars = lax.psum(scalars, axis_name)
+      total = scalars[0] if tracking else scalars
+      mean = parallel.all_reduce_sum(divide(acc_grads, total), axis_name, comm_dtype)
+    if tracking:
+      return mean, total, scalars[1], scalars[2]
+    return mean, total, None, None
+
+  def check_explicit(grads, state):
+    """In the user's own jit on an Explicit mesh: unreduced gradients and accumulator, and the options that apply."""
+    _unreduced.check_unreduced(grads, axis_name)
+    if not all(_unreduced.is_unreduced(a, axis_name) for a in jax.tree.leaves(state.acc_grads)):
+      raise ValueError(
+        f"state.acc_grads is not unreduced over {axis_name=}: make the state with tx.init(params) on params "
+        "placed on the Explicit mesh (jax.device_put(params, NamedSharding(mesh, P()))), or under "
+        "jax.set_mesh(mesh), so that the accumulator holds each device's partial sum across calls"
+      )
+    if skip_nonfinite:
+      raise ValueError(
+        "skip_nonfinite=True with unreduced gradients (the user's own jit on an Explicit mesh): a partial sum "
+        "cannot be tested for NaN/Inf before the window's one reduction. Use ja.make_train_step, or shard_map"
+      )
+    if tracking:
+      raise ValueError(
+        f"noise_scale_ema={noise_scale_ema} with unreduced gradients (the user's own jit on an Explicit mesh) is "
+        "not supported yet: each microbatch's |g|^2 needs its reduced gradient. Use ja.make_train_step(..., "
+        "noise_scale=), or shard_map with axis_name"
+      )
 
   def update(grads, state, params=None, *, weight=None, **extra_args):
     return step(grads, state, params, weight, extra_args, apply=False)

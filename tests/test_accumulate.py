@@ -14,7 +14,7 @@ import optax
 import pytest
 from conftest import mlp_apply, mlp_init, mse_loss, regression_data
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum as ja
@@ -996,3 +996,168 @@ def test_a_weight_that_overflows_the_accumulator_dtype_is_dropped_and_counted(sk
     updates, state = jax.jit(tx.update)({"w": jnp.ones(2, jnp.float32)}, state, params, weight=2.0)
     np.testing.assert_array_equal(updates["w"], -np.ones(2))  # only the finite microbatch: mean 1
     assert int(state.num_skipped) == 1
+
+
+# ----------------------------------------------------------------------------- normalised wire (issue 18)
+
+
+def test_float16_wire_with_token_weights_is_normalised_under_pmap():
+  """512-token microbatches, gradients ~40: sum w g (~1.6e5 over 8 devices) overflows float16; the mean does not.
+
+  The wire carries each device's share (sum_local w g) / (sum w) of the mean, the scalar total reduced
+  first: the result lands within float16 rounding of the float64 one (before: parameters at -inf).
+  """
+  n, k = 8, 2
+  params = {"w": jnp.ones((4,), jnp.float64)}
+  xs = 1.0 + 0.01 * jax.random.uniform(jax.random.PRNGKey(0), (k, n, 512, 4), jnp.float64)
+
+  def run(comm_dtype):
+    tx = ja.accumulate(optax.sgd(1e-3), k, axis_name="data", comm_dtype=comm_dtype)
+
+    def step(p, s, x):
+      g = jax.grad(lambda q: 40.0 * jnp.mean(x @ q["w"]))(p)
+      u, s = tx.update(g, s, p, weight=jnp.float64(x.shape[0]))
+      return optax.apply_updates(p, u), s
+
+    f = jax.pmap(step, axis_name="data")
+    p = jax.tree.map(lambda a: jnp.stack([a] * n), params)
+    s = jax.pmap(tx.init)(p)
+    for i in range(k):
+      p, s = f(p, s, xs[i])
+    return p["w"][0]
+
+  exact, half = run(None), run(jnp.float16)
+  assert np.all(np.isfinite(half))
+  # One float16 rounding of each device's share (~40/8, relative 2^-11) and of the sum, times the learning rate.
+  np.testing.assert_allclose(half, exact, rtol=0, atol=1e-3 * 40 * 2.0**-9)
+
+
+# ----------------------------------------------------------------------------- a dropped microbatch's slot (issue 22)
+
+
+def _nan_microbatches(data):
+  micro = split_rows(data, [10] * 7)
+  micro[1] = (micro[1][0].at[0, 0].set(jnp.nan), micro[1][1])
+  return micro
+
+
+def test_dropped_microbatch_uses_its_slot_by_default(problem):
+  """Default: a skipped microbatch still counts towards every_k. Windows: [0, (1 dropped), 2], [3, 4, 5]."""
+  params, loss_fn, data = problem
+  micro = _nan_microbatches(data)
+  tx = ja.accumulate(optax.adam(0.05), 3, skip_nonfinite=True)
+  step = make_step(tx, loss_fn)
+  state, p = tx.init(params), params
+  for batch in micro[:6]:
+    p, state, _ = step(p, state, batch, jnp.float64(10.0))
+  expected = full_batch_run(optax.adam(0.05), params, loss_fn, [[micro[0], micro[2]], micro[3:6]])
+  chex.assert_trees_all_close(p, expected[-1], rtol=RTOL, atol=0)
+  assert int(state.update_count) == 2 and int(state.num_skipped) == 1
+
+
+def test_dropped_use_slot_false_skips_without_using_a_slot(problem):
+  """dropped_use_slot=False (optax.MultiSteps' should_skip_update_fn): windows [0, 2, 3], [4, 5, 6]."""
+  params, loss_fn, data = problem
+  micro = _nan_microbatches(data)
+  tx = ja.accumulate(optax.adam(0.05), 3, skip_nonfinite=True, dropped_use_slot=False)
+  step = make_step(tx, loss_fn)
+  state, p = tx.init(params), params
+  updated = []
+  for batch in micro:
+    p, state, _ = step(p, state, batch, jnp.float64(10.0))
+    updated.append(bool(ja.has_updated(state)))
+  assert updated == [False, False, False, True, False, False, True]
+  expected = full_batch_run(optax.adam(0.05), params, loss_fn, [[micro[0], micro[2], micro[3]], micro[4:7]])
+  # atol: one leaf crosses zero (3.7e-6 after cancellation); 1e-15 is far below one update's rounding.
+  chex.assert_trees_all_close(p, expected[-1], rtol=RTOL, atol=1e-15)
+  assert int(state.update_count) == 2 and int(state.num_skipped) == 1 and int(state.micro_step) == 0
+
+
+def test_dropped_use_slot_false_matches_optax_multisteps_should_skip(problem):
+  """Equal microbatches: the same windows as optax.MultiSteps(should_skip_update_fn=skip_not_finite).
+
+  every_k=1: the same values. every_k=2: the same windows (which calls emit); the values are checked
+  against the plainly written reference above, not against MultiSteps, whose running (Welford) mean
+  differed here by up to 2e-8 relative (not investigated further).
+  """
+  params, loss_fn, data = problem
+  micro = _nan_microbatches(data)
+  for k in (1, 2):
+    ours = ja.accumulate(optax.sgd(0.1), k, skip_nonfinite=True, dropped_use_slot=False)
+    theirs = optax.MultiSteps(optax.sgd(0.1), k, should_skip_update_fn=optax.skip_not_finite)
+    results, emitted = [], []
+    for tx in (ours, theirs):
+      state, p, emits = tx.init(params), params, []
+      for batch in micro:
+        u, state = tx.update(jax.grad(loss_fn)(p, batch), state, p)
+        emits.append(any(bool(jnp.any(x != 0)) for x in jax.tree.leaves(u)))
+        p = optax.apply_updates(p, u)
+      results.append(p)
+      emitted.append(emits)
+    assert emitted[0] == emitted[1], (k, emitted)
+    if k == 1:
+      chex.assert_trees_all_close(results[0], results[1], rtol=RTOL, atol=0)
+
+
+def test_dropped_use_slot_must_be_a_bool():
+  with pytest.raises(TypeError, match="dropped_use_slot"):
+    ja.accumulate(optax.sgd(0.1), 2, dropped_use_slot="no")
+
+
+# ----------------------------------------------------------------------------- noise scale under tensor parallelism
+
+
+def _noise_run(mesh, model_axis, grads, sizes):
+  """noise_scale_ema under a shard_map manual over the mesh; `theta` sharded over `model_axis` (or whole)."""
+  n_data, k = sizes.shape
+  tx = ja.accumulate(optax.set_to_zero(), k, axis_name="data", noise_scale_ema=0.9)
+  params = {"theta": jnp.zeros(grads["theta"].shape[-1]), "b": jnp.zeros(grads["b"].shape[-1])}
+
+  def per_device(state, f, f_theta=None):
+    stats = state.noise_stats
+    f_theta = f if f_theta is None else f_theta
+    return state._replace(
+      acc_grads={"b": f(state.acc_grads["b"]), "theta": f_theta(state.acc_grads["theta"])},
+      acc_weight=f(state.acc_weight),
+      num_skipped=f(state.num_skipped),
+      noise_stats=stats._replace(acc_sq=f(stats.acc_sq), acc_count=f(stats.acc_count)),
+    )
+
+  state = per_device(tx.init(params), lambda a: jnp.stack([a] * n_data))
+  theta_spec = P("data", model_axis)
+  spec = per_device(jax.tree.map(lambda _: P(), state), lambda _: P("data"), lambda _: theta_spec)
+
+  def body(state, g, w):
+    g = jax.tree.map(lambda a: a[0], g)
+    _, state = tx.update(g, per_device(state, lambda a: a[0]), params, weight=w[0])
+    return per_device(state, lambda a: a[None])
+
+  g_spec = {"b": P("data"), "theta": theta_spec}
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, g_spec, P("data")), out_specs=spec))
+  for w_i in range(grads["theta"].shape[0]):
+    for i in range(k):
+      g = jax.tree.map(lambda a: a[w_i, :, i], grads)
+      state = step(state, g, jnp.asarray(sizes[:, i], jnp.float64))
+  return ja.noise_scale(state)
+
+
+def test_noise_scale_under_tensor_parallel_shard_map_sums_the_model_shards():
+  """(data, model) = (4, 2), theta sharded over 'model': the same estimates as the whole theta on 4 data devices.
+
+  Before: each device's |g|^2 covered its model shard only, and the per-device statistics came out varying
+  over 'model' (a raw out_specs error).
+  """
+  windows, d = 6, 8
+  sizes = np.array([[3, 9], [4, 4], [8, 2], [5, 7]])
+  keys = jax.random.split(jax.random.PRNGKey(7), 2)
+  grads = {
+    "theta": jax.random.normal(keys[0], (windows, 4, 2, d), jnp.float64) + 0.5,
+    "b": jax.random.normal(keys[1], (windows, 4, 2, 3), jnp.float64),
+  }
+  tp = _noise_run(jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2), "model", grads, sizes)
+  whole = _noise_run(
+    jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4]), None, grads, sizes
+  )
+  np.testing.assert_allclose(np.asarray(tp.grad_sq), np.asarray(whole.grad_sq), rtol=RTOL)
+  np.testing.assert_allclose(np.asarray(tp.trace_cov), np.asarray(whole.trace_cov), rtol=RTOL)
+  assert np.isfinite(float(tp.b_simple))

@@ -794,3 +794,73 @@ def test_tx_none_or_an_uncalled_factory_is_refused():
       ja.flax.TrainState.create(apply_fn=None, params=params, tx=tx)
     with pytest.raises(TypeError, match=pattern.format("AccumulatingOptimizer")):
       ja.flax.AccumulatingOptimizer(model, tx, wrt=nnx.Param)
+
+
+# --------------------------------------------------------------------------- own jit on an Explicit mesh (issue 19)
+
+EXPLICIT_SIZES = (16, 40, 8, 24, 32, 16)  # multiples of the 8 devices, unequal, weighted by size
+
+
+def _explicit_mesh():
+  from jax.sharding import AxisType
+
+  return jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+
+
+def test_linen_trainstate_with_ja_grad_on_an_explicit_mesh():
+  """ja.grad + TrainState(tx=ja.accumulate(..., axis_name='data')) in a plain jit: exact, one reduction per window."""
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jaxaccum import _hlo
+
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  batches = microbatches(regression_data(jax.random.PRNGKey(1), sum(EXPLICIT_SIZES)), EXPLICIT_SIZES)
+  inner = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(0.05, weight_decay=0.1))
+  mesh = _explicit_mesh()
+  with jax.set_mesh(mesh):
+    state = ja.flax.TrainState.create(
+      apply_fn=mlp_apply,
+      params=jax.device_put(params, NamedSharding(mesh, P())),
+      tx=ja.accumulate(inner, K, axis_name="data"),
+    )
+
+    @jax.jit
+    def step(state, batch, weight):
+      return state.apply_gradients(grads=ja.grad(mse_loss, axis_name="data")(state.params, batch), weight=weight)
+
+    for batch in batches:
+      state = step(state, jax.device_put(batch, NamedSharding(mesh, P("data"))), float(len(batch[0])))
+    hlo = step.lower(state, jax.device_put(batches[0], NamedSharding(mesh, P("data"))), 1.0).compile().as_text()
+  assert int(state.step) == 2 and int(state.micro_step) == 0
+  assert {c.where for c in _hlo.collectives(hlo, 8)} == {"branch"}
+  expected = reference_run(inner, params, mse_loss, batches)
+  chex.assert_trees_all_close(state.params, expected, rtol=RTOL, atol=0)
+
+
+def test_nnx_optimizer_with_ja_grad_on_an_explicit_mesh():
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = _explicit_mesh()
+  batches = microbatches(regression_data(jax.random.PRNGKey(1), sum(EXPLICIT_SIZES)), EXPLICIT_SIZES)
+  model = NNXModel(nnx.Rngs(0))
+  graphdef, params0 = nnx.split(model, nnx.Param)
+  params0 = nnx.as_pure(params0)
+  pure = lambda p, batch: nnx_loss(nnx.merge(graphdef, p), batch)
+  expected = reference_run(optax.adam(0.05), params0, pure, batches)  # plain, on one device
+  with jax.set_mesh(mesh):
+    nnx.update(model, jax.device_put(params0, NamedSharding(mesh, P())))
+    optimizer = ja.flax.AccumulatingOptimizer(
+      model, ja.accumulate(optax.adam(0.05), K, axis_name="data"), wrt=nnx.Param
+    )
+
+    @nnx.jit
+    def step(model, optimizer, batch, weight):
+      grads = ja.grad(pure, axis_name="data")(nnx.state(model, nnx.Param), batch)
+      optimizer.update(model, grads, weight=weight)
+
+    for batch in batches:
+      step(model, optimizer, jax.device_put(batch, NamedSharding(mesh, P("data"))), float(len(batch[0])))
+  assert int(optimizer.step[...]) == 2
+  chex.assert_trees_all_close(nnx.as_pure(nnx.state(model, nnx.Param)), expected, rtol=RTOL, atol=0)

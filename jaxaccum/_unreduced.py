@@ -1,0 +1,170 @@
+"""Unreduced values on an Explicit mesh: the small pieces `ja.grad`, `accumulate` and `microbatch` share.
+
+On a mesh whose axes are Explicit, inside the user's own `jax.jit`, a value
+typed `{U:data}` (`P(unreduced={"data"})`) is held by each device as a partial
+sum: its value is the sum over the devices of the axis, and no collective has
+run yet. JAX 0.10 rules these helpers follow (measured, see
+`shared/notes/background.md`, "Unreduced gradients"):
+
+* unreduced + unreduced is unreduced (no collective): an accumulator stays
+  unreduced across `jax.jit` calls;
+* a replicated scalar times an unreduced value needs the scalar cast to
+  `P(reduced={...})` first (`scale`);
+* `jax.reshard(x, P())` is one all-reduce, `jax.reshard(x, P("data"))` a
+  reduce-scatter (`reduce`);
+* non-linear element-wise ops (`isfinite`, `/`) are not defined on unreduced
+  values: reduce first, or multiply by a reduced reciprocal.
+* unreduced outputs of a shard_map need it manual over every mesh axis, and
+  Auto meshes have no unreduced type: `explicit_mesh` says so, by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxaccum import _tree
+
+_INSTEAD = (
+  "use ja.make_train_step(..., mesh=mesh) (it owns the step and reduces once per update), or your own "
+  "jax.shard_map over the data axis with ja.accumulate(..., axis_name=) inside it"
+)
+
+
+def names(axis_name) -> tuple[str, ...]:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def is_bound(axis_name) -> bool:
+  """True inside pmap/shard_map/vmap binding every name of `axis_name` (manual axes)."""
+  try:
+    for name in names(axis_name):
+      lax.axis_size(name)
+  except NameError:
+    return False
+  return True
+
+
+def mesh_of(tree=None):
+  """The mesh of the context (`jax.set_mesh`, or the jit being traced), else of the first leaf that has one."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is not None and not getattr(mesh, "empty", True):
+    return mesh
+  for leaf in jax.tree.leaves(tree):
+    sharding = getattr(leaf, "sharding", None) if not isinstance(leaf, jax.core.Tracer) else None
+    if sharding is None:
+      sharding = getattr(jax.typeof(leaf), "sharding", None) if hasattr(leaf, "shape") else None
+    leaf_mesh: Any = getattr(sharding, "mesh", None)
+    if leaf_mesh is not None and not getattr(leaf_mesh, "empty", False) and tuple(getattr(leaf_mesh, "axis_names", ())):
+      return leaf_mesh
+  return None
+
+
+def _axis_types(mesh) -> dict:
+  return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+
+
+def usable(mesh, axis_name) -> bool:
+  """True when `mesh` has every name of `axis_name` as an Explicit axis and no other axis of size > 1."""
+  if mesh is None:
+    return False
+  types = _axis_types(mesh)
+  if not all(types.get(n) == AxisType.Explicit for n in names(axis_name)):
+    return False
+  return all(size == 1 or name in names(axis_name) for name, size in zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def explicit_mesh(axis_name, tree=None, *, what: str, arg: str = "axis_name"):
+  """The Explicit mesh that unreduced values over `axis_name` live on, or a ValueError saying why not.
+
+  `what` names the caller in the message (e.g. "ja.grad").
+  """
+  mesh = mesh_of(tree)
+  if mesh is None:
+    raise ValueError(
+      f"{what}: {arg}={axis_name!r} is not bound here and no mesh is set: call it inside jax.pmap / "
+      f"jax.shard_map over that axis, or inside your jax.jit on a mesh made with jax.make_mesh(..., "
+      f"axis_types=(AxisType.Explicit,)) and set with jax.set_mesh(mesh) (or with arguments placed on it)"
+    )
+  types = _axis_types(mesh)
+  missing = [n for n in names(axis_name) if n not in types]
+  if missing:
+    raise ValueError(f"{what}: {arg}={axis_name!r} is not an axis of the mesh {dict(mesh.shape)}")
+  auto = [n for n in names(axis_name) if types[n] != AxisType.Explicit]
+  if auto:
+    raise ValueError(
+      f"{what}: axis {auto[0]!r} of the mesh {dict(mesh.shape)} is {types[auto[0]]}, not Explicit. On Auto (and "
+      "Manual) axes JAX has no unreduced type, so gradients cannot be held unreduced across calls: make the mesh "
+      f"with axis_types=(AxisType.Explicit, ...) (jax.make_mesh's default), or {_INSTEAD}"
+    )
+  others = [n for n, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if s > 1 and n not in names(axis_name)]
+  if others:
+    raise ValueError(
+      f"{what}: the mesh {dict(mesh.shape)} has the axis {others[0]!r} besides {arg}={axis_name!r}. In JAX "
+      "0.10 unreduced outputs need a shard_map manual over every mesh axis (NotImplementedError otherwise), "
+      f"so a tensor-parallel axis cannot stay as it is: {_INSTEAD}"
+    )
+  return mesh
+
+
+def is_unreduced(x, axis_name) -> bool:
+  """True when `x` (an array, a tracer, or a `jax.eval_shape` result) is typed unreduced over every name of
+  `axis_name` (a partial sum per device)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    sharding = x.sharding
+  else:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+  unreduced = getattr(getattr(sharding, "spec", None), "unreduced", None) or frozenset()
+  return all(n in unreduced for n in names(axis_name))
+
+
+def zeros(shape, dtype, mesh, axis_name) -> jax.Array:
+  """Zeros typed unreduced over `axis_name`: the start of an unreduced accumulator."""
+  spec = P(unreduced=set(names(axis_name)))
+  return jnp.zeros(shape, dtype, out_sharding=NamedSharding(mesh, spec) if mesh is not None else spec)
+
+
+def scale(x, weight, axis_name):
+  """`x * weight` for an unreduced `x` and a replicated scalar `weight` (cast to reduced first, as JAX asks)."""
+  w = jnp.asarray(weight).astype(x.dtype)
+  return x * jax.reshard(w, P(reduced=set(names(axis_name))))
+
+
+def target_spec(like) -> P:
+  """The spec a reduced value takes: `like`'s (a parameter's) sharding without any unreduced/reduced part."""
+  if like is None:
+    return P()
+  spec = getattr(getattr(jax.typeof(like), "sharding", None), "spec", None)
+  if spec is None:
+    return P()
+  return P(*spec.partitions)  # `*spec` is refused on a spec with an unreduced/reduced set
+
+
+def reduce(x, axis_name, spec: P = P(), comm_dtype: Any = None):  # noqa: B008 -- an immutable spec
+  """Sums the unreduced `x` over `axis_name` into `spec`: an all-reduce for P(), a reduce-scatter for a
+  spec that shards over the axis. `comm_dtype` is the dtype on the wire; the result has `x`'s dtype."""
+  del axis_name  # the type says which axes `x` is unreduced over
+  sent = x if comm_dtype is None else x.astype(comm_dtype)
+  return jax.reshard(sent, spec).astype(x.dtype)
+
+
+def check_unreduced(tree, axis_name, arg: str = "grads") -> None:
+  """Raises a ValueError naming the first leaf of `tree` that is not unreduced over `axis_name`."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if not is_unreduced(leaf, axis_name):
+      raise ValueError(
+        f"{arg}{jax.tree_util.keystr(path)} is not unreduced over {axis_name=} (its type is "
+        f"{jax.typeof(leaf)}): on an Explicit mesh, jax.grad's gradient of a loss on a sharded batch comes "
+        "back already all-reduced, so accumulating it would cost one all-reduce per micro-step. Take the "
+        f"gradient with ja.grad(loss, axis_name={axis_name!r}) (or ja.value_and_grad): it leaves the result "
+        "unreduced, and the window end reduces once"
+      )
+
+
+def dtype_of(x):
+  return _tree.dtype_of(x)

@@ -1,0 +1,355 @@
+"""ja.grad / ja.value_and_grad and ja.accumulate in the user's own jit on an Explicit mesh (issue 19)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import mlp_apply, mlp_init, mse_loss, regression_data
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum as ja
+from jaxaccum import _hlo, _unreduced
+
+RTOL = 1e-12
+N_DEV = 8
+
+
+def explicit_mesh(shape=(N_DEV,), names=("data",)):
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+
+
+def full_batch_run(opt, params, windows, loss_fn=mse_loss):
+  """The reference: one plain optax step per window on the union of its microbatches, on one device."""
+  state = opt.init(params)
+  for window in windows:
+    union = jax.tree.map(lambda *xs: jnp.concatenate(xs), *window)
+    updates, state = opt.update(jax.grad(loss_fn)(params, union), state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+def inner_opt():
+  return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(0.05, weight_decay=0.1))
+
+
+def windows_of(sizes, k, seed=1):
+  """Microbatches of the given row counts (multiples of 8), grouped into windows of k."""
+  x, y = regression_data(jax.random.PRNGKey(seed), sum(sizes))
+  micro, start = [], 0
+  for n in sizes:
+    micro.append((x[start : start + n], y[start : start + n]))
+    start += n
+  return [micro[i : i + k] for i in range(0, len(micro), k)]
+
+
+def own_jit_step(tx, weighted):
+  @jax.jit
+  def step(params, state, batch):
+    grads = ja.grad(mse_loss, axis_name="data")(params, batch)
+    weight = jnp.float64(batch[0].shape[0]) if weighted else None
+    updates, state = tx.update(grads, state, params, weight=weight)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+@pytest.mark.parametrize(
+  "k, sizes, weighted",
+  [(1, [16, 32], False), (4, [16] * 8, False), (4, [8, 40, 16, 24, 32, 8, 8, 16], True)],
+)
+def test_own_jit_step_is_exact(k, sizes, weighted):
+  """ja.grad + ja.accumulate in a plain jit on an Explicit mesh = the full-batch step, float64."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  windows = windows_of(sizes, k)
+  mesh = explicit_mesh()
+  tx = ja.accumulate(inner_opt(), k, axis_name="data")
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    state = tx.init(p)
+    assert all(_unreduced.is_unreduced(a, "data") for a in jax.tree.leaves(state.acc_grads))
+    step = own_jit_step(tx, weighted)
+    for window in windows:
+      for m in window:
+        p, state = step(p, state, jax.device_put(m, NamedSharding(mesh, P("data"))))
+  assert int(state.update_count) == len(windows)
+  chex.assert_trees_all_close(p, full_batch_run(inner_opt(), params, windows), rtol=RTOL, atol=0)
+
+
+def test_one_params_sized_all_reduce_per_window_in_the_window_end_branch():
+  """Compiled HLO, parsed by called computations: no collective at the top level of a micro-step."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  mesh = explicit_mesh()
+  tx = ja.accumulate(optax.adam(0.1), 4, axis_name="data")
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    state = tx.init(p)
+    batch = jax.device_put(windows_of([16], 1)[0][0], NamedSharding(mesh, P("data")))
+    hlo = own_jit_step(tx, True).lower(p, state, batch).compile().as_text()
+  found = _hlo.collectives(hlo, N_DEV)
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  assert found, "the window end must reduce"
+  assert {c.where for c in found} == {"branch"}, found
+  assert sum(c.result_bytes for c in found) == 8 * n_params
+
+
+def test_plain_jax_grad_is_refused_naming_the_leaf_and_ja_grad():
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  mesh = explicit_mesh()
+  tx = ja.accumulate(optax.adam(0.1), 4, axis_name="data")
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    state = tx.init(p)
+    batch = jax.device_put(windows_of([16], 1)[0][0], NamedSharding(mesh, P("data")))
+
+    @jax.jit
+    def step(p, s, b):
+      return tx.update(jax.grad(mse_loss)(p, b), s, p)
+
+    with pytest.raises(ValueError, match=r"grads\[0\]\['b'\] is not unreduced.*ja\.grad\(loss, axis_name='data'\)"):
+      step(p, state, batch)
+
+
+def test_leaf_sharded_over_the_axis_is_reduce_scattered_into_its_sharding():
+  """A parameter sharded P('data') gets its mean in P('data') (one reduce, no gather), exact."""
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (16, 2), jnp.float64), "b": jnp.zeros((2,), jnp.float64)}
+
+  def loss(q, batch):
+    x, y = batch
+    return jnp.mean((x @ q["w"] + q["b"] - y) ** 2)
+
+  x = jax.random.normal(jax.random.PRNGKey(1), (64, 16), jnp.float64)
+  y = jax.random.normal(jax.random.PRNGKey(2), (64, 2), jnp.float64)
+  windows = [[(x[:32], y[:32]), (x[32:], y[32:])]]
+  mesh = explicit_mesh()
+  tx = ja.accumulate(optax.sgd(0.1), 2, axis_name="data")
+  with jax.set_mesh(mesh):
+    p = {"w": jax.device_put(params["w"], NamedSharding(mesh, P("data"))), "b": jax.device_put(params["b"], P())}
+    state = tx.init(p)
+
+    @jax.jit
+    def step(p, s, b):
+      u, s = tx.update(ja.grad(loss, axis_name="data")(p, b), s, p)
+      return optax.apply_updates(p, u), s
+
+    for m in windows[0]:
+      p, state = step(p, state, jax.device_put(m, NamedSharding(mesh, P("data"))))
+    assert p["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+    hlo = step.lower(p, state, jax.device_put(windows[0][0], NamedSharding(mesh, P("data")))).compile().as_text()
+  found = _hlo.collectives(hlo, N_DEV)
+  # The forward gathers the sharded w on every call (the FSDP price); every reduction waits for the window end.
+  assert {c.where for c in found if c.opcode in ("all-reduce", "reduce-scatter")} == {"branch"}
+  chex.assert_trees_all_close(p, full_batch_run(optax.sgd(0.1), params, windows, loss), rtol=RTOL, atol=0)
+
+
+def test_value_and_grad_with_aux_and_weight_fn_is_the_global_weighted_mean():
+  """A masked mean loss with rows unevenly real across devices: weight_fn = real rows gives the global mean."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 64)
+  mask = (jnp.arange(64) % 8 < jnp.arange(64) // 8 % 4 + 1).astype(jnp.float64)  # 1..4 real rows per 8
+
+  def loss(q, batch):
+    x, y, m = batch
+    err = jnp.sum((mlp_apply(q, x) - y) ** 2, -1)
+    value = jnp.sum(m * err) / jnp.maximum(jnp.sum(m), 1)
+    return value, {"err": value * 2}
+
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    batch = jax.device_put((x, y, mask), NamedSharding(mesh, P("data")))
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    (value, aux), grads = jax.jit(
+      ja.value_and_grad(loss, axis_name="data", has_aux=True, weight_fn=lambda b: jnp.sum(b[2]))
+    )(p, batch)
+    assert _unreduced.is_unreduced(grads[0]["w"], "data")
+    grads = jax.jit(lambda g: jax.tree.map(lambda a: jax.reshard(a, P()), g))(grads)
+  (ref_value, ref_aux), ref = jax.value_and_grad(loss, has_aux=True)(params, (x, y, mask))
+  np.testing.assert_allclose(value, ref_value, rtol=RTOL)
+  np.testing.assert_allclose(aux["err"], ref_aux["err"], rtol=RTOL)
+  chex.assert_trees_all_close(grads, ref, rtol=RTOL, atol=0)
+
+
+def test_grad_with_several_argnums_and_has_aux():
+  mesh = explicit_mesh()
+
+  def loss(a, b, x):
+    return jnp.mean((x * a + b) ** 2), jnp.mean(x)
+
+  x = jnp.arange(16.0, dtype=jnp.float64)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    (ga, gb), aux = jax.jit(
+      lambda a, b, x: jax.tree.map(
+        lambda t: jax.reshard(t, P()) if _unreduced.is_unreduced(t, "data") else t,
+        ja.grad(loss, (0, 1), axis_name="data", has_aux=True)(a, b, x),
+      )
+    )(jnp.float64(2.0), jnp.float64(1.0), xs)
+  (ra, rb), raux = jax.grad(loss, (0, 1), has_aux=True)(2.0, 1.0, x)
+  np.testing.assert_allclose([ga, gb, aux], [ra, rb, raux], rtol=RTOL)
+
+
+def test_auto_mesh_and_model_axis_and_bound_axis_say_what_to_use_instead():
+  params = {"w": jnp.ones((3,), jnp.float64)}
+  x = jnp.ones((16, 3), jnp.float64)
+
+  def loss(q, x):
+    return jnp.mean(x @ q["w"])
+
+  auto = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Auto,))
+  with jax.set_mesh(auto), pytest.raises(ValueError, match="Auto.*make_train_step"):
+    jax.jit(ja.grad(loss, axis_name="data"))(params, x)
+  two = explicit_mesh((4, 2), ("data", "model"))
+  with jax.set_mesh(two), pytest.raises(ValueError, match="'model' besides axis_name='data'.*make_train_step"):
+    jax.jit(ja.grad(loss, axis_name="data"))(params, x)
+  tx = ja.accumulate(optax.sgd(0.1), 2, axis_name="data")
+  with jax.set_mesh(auto), pytest.raises(ValueError, match="Auto.*shard_map"):
+    jax.jit(lambda g, s: tx.update(g, s))(params, tx.init(params))
+  with pytest.raises(ValueError, match="bound by an enclosing pmap/shard_map"):
+    jax.shard_map(
+      lambda q, x: ja.grad(loss, axis_name="data")(q, x), mesh=auto, in_specs=(P(), P("data")), out_specs=P()
+    )(params, x)
+  with pytest.raises(TypeError, match="argnums"):
+    ja.grad(loss, "w", axis_name="data")
+  with pytest.raises(TypeError, match="weight_fn"):
+    ja.grad(loss, axis_name="data", weight_fn=3)
+
+
+def test_options_that_need_reduced_gradients_are_refused_with_unreduced_ones():
+  params = {"w": jnp.ones((3,), jnp.float64)}
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.ones((16, 3), jnp.float64), NamedSharding(mesh, P("data")))
+    for kwargs, match in [({"skip_nonfinite": True}, "skip_nonfinite"), ({"noise_scale_ema": 0.9}, "noise_scale")]:
+      tx = ja.accumulate(optax.sgd(0.1), 2, axis_name="data", **kwargs)
+      state = tx.init(p)
+      with pytest.raises(ValueError, match=match):
+        jax.jit(lambda q, s, x: tx.update(ja.grad(lambda q, x: jnp.mean(x @ q["w"]), axis_name="data")(q, x), s, q))(
+          p, state, x
+        )
+
+
+def test_state_not_made_on_the_mesh_is_refused():
+  params = {"w": jnp.ones((3,), jnp.float64)}
+  tx = ja.accumulate(optax.sgd(0.1), 2, axis_name="data")
+  state = tx.init(params)  # params not placed: a plain (shard_map-style) accumulator
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.ones((16, 3), jnp.float64), NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match="state.acc_grads is not unreduced"):
+      jax.jit(lambda q, s, x: tx.update(ja.grad(lambda q, x: jnp.mean(x @ q["w"]), axis_name="data")(q, x), s, q))(
+        p, state, x
+      )
+
+
+def test_float16_wire_with_token_weights_is_normalised_in_the_own_jit_step():
+  """sum w g of 512-token microbatches overflows float16; the normalised wire lands within float16 rounding."""
+  params = {"w": jnp.full((4,), 1.0, jnp.float64)}
+
+  def loss(q, x):
+    return jnp.mean(x @ q["w"]) * 40.0  # gradient 40 * mean(x): about 40
+
+  xs = [1.0 + 0.01 * jax.random.uniform(jax.random.PRNGKey(i), (512, 4), jnp.float64) for i in range(4)]
+  mesh = explicit_mesh()
+  results = {}
+  for comm in (None, jnp.float16):
+    tx = ja.accumulate(optax.sgd(1e-3), 4, axis_name="data", comm_dtype=comm)
+    with jax.set_mesh(mesh):
+      p = jax.device_put(params, NamedSharding(mesh, P()))
+      state = tx.init(p)
+
+      @jax.jit
+      def step(q, s, x, tx=tx):
+        u, s = tx.update(ja.grad(loss, axis_name="data")(q, x), s, q, weight=jnp.float64(512.0))
+        return optax.apply_updates(q, u), s
+
+      for x in xs:
+        p, state = step(p, state, jax.device_put(x, NamedSharding(mesh, P("data"))))
+    results[comm] = p["w"]
+  assert np.all(np.isfinite(results[jnp.float16]))
+  # float16 rounding of a gradient of ~40 (relative 2^-11), times the learning rate.
+  np.testing.assert_allclose(results[jnp.float16], results[None], rtol=0, atol=1e-3 * 40 * 2.0**-10)
+
+
+def test_unreduced_helpers_for_the_microbatch_loop():
+  """The pieces ja.microbatch needs to carry unreduced values: zeros, scale by a weight, reduce, the predicate."""
+  mesh = explicit_mesh()
+  x = jnp.arange(16.0, dtype=jnp.float64)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+
+    @jax.jit
+    def loop(xs):
+      g = ja.grad(lambda a, x: jnp.mean(a * x), axis_name="data")(jnp.float64(1.0), xs)  # mean(x) = 7.5
+      acc = _unreduced.zeros((), jnp.float64, None, "data")
+      assert _unreduced.is_unreduced(acc, "data") and _unreduced.is_unreduced(g, "data")
+      acc = acc + _unreduced.scale(g, jnp.float64(3.0), "data") + _unreduced.scale(g, jnp.float64(1.0), "data")
+      out = _unreduced.reduce(acc, "data")
+      assert not _unreduced.is_unreduced(out, "data")
+      return out, _unreduced.reduce(acc, "data", comm_dtype=jnp.float32)
+
+    out, out32 = loop(xs)
+    shape = jax.eval_shape(ja.grad(lambda a, x: jnp.mean(a * x), axis_name="data"), jnp.float64(1.0), xs)
+    assert _unreduced.is_unreduced(shape, "data")  # what eval_shape says, before the loop's init
+  np.testing.assert_allclose(out, 4 * 7.5, rtol=RTOL)
+  np.testing.assert_allclose(out32, 4 * 7.5, rtol=1e-7)
+
+
+@pytest.mark.xfail(strict=True, reason="needs microbatch integration")
+def test_microbatch_of_ja_grad_reduces_once_per_step():
+  """ja.microbatch(ja.grad(loss, axis_name='data'), K) inside the user's jit: exact, no collective in the loop."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(1), 64)
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    fun = ja.microbatch(ja.grad(mse_loss, axis_name="data"), 4, axis_name="data")
+
+    @jax.jit
+    def step(q, b):
+      g = fun(q, b)
+      return jax.tree.map(lambda a: jax.reshard(a, P()) if _unreduced.is_unreduced(a, "data") else a, g)
+
+    grads = step(p, batch)
+    hlo = step.lower(p, batch).compile().as_text()
+  chex.assert_trees_all_close(grads, jax.grad(mse_loss)(params, (x, y)), rtol=RTOL, atol=0)
+  assert {c.where for c in _hlo.collectives(hlo, N_DEV) if c.result_bytes > 8} == {"top"}
+  assert _hlo.count(hlo, "all-reduce") <= 2
+
+
+def test_shard_map_users_init_is_unchanged_on_unplaced_params():
+  """Guard: the unreduced accumulator is made only for params on an Explicit mesh with the axis."""
+  params = {"w": jnp.ones((3,), jnp.float64)}
+  tx = ja.accumulate(optax.sgd(0.1), 2, axis_name="data")
+  state = tx.init(params)
+  assert not _unreduced.is_unreduced(state.acc_grads["w"], "data")
+  auto = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Auto,))
+  state = tx.init(jax.device_put(params, NamedSharding(auto, P())))
+  assert not _unreduced.is_unreduced(state.acc_grads["w"], "data")
+
+
+def test_update_without_params_reduces_into_replicated_updates():
+  """tx.update(grads, state) with no params: the window's mean comes back replicated, zeros on micro-steps."""
+  params = {"w": jnp.arange(3.0, dtype=jnp.float64)}
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 3), jnp.float64)
+
+  def loss(q, x):
+    return jnp.mean((x @ q["w"]) ** 2)
+
+  mesh = explicit_mesh()
+  tx = ja.accumulate(optax.sgd(0.5), 2, axis_name="data")
+  with jax.set_mesh(mesh):
+    state = tx.init(jax.device_put(params, NamedSharding(mesh, P())))
+    step = jax.jit(lambda s, x: tx.update(ja.grad(loss, axis_name="data")(params, x), s))
+    outs = []
+    for i in range(2):
+      u, state = step(state, jax.device_put(x[i], NamedSharding(mesh, P("data"))))
+      assert not _unreduced.is_unreduced(u["w"], "data")
+      outs.append(u["w"])
+  np.testing.assert_array_equal(outs[0], np.zeros(3))
+  expected = -0.5 * jax.grad(loss)(params, x.reshape(32, 3))["w"]
+  np.testing.assert_allclose(outs[1], expected, rtol=RTOL)
