@@ -5,7 +5,7 @@ compiled memory analysis; communication as all-reduce instructions in the
 compiled HLO. Multi-device sections run on 8 devices, simulated on CPU when
 the machine has fewer.
 
-One module per section (`accumulate`, `microbatch`, `flax`, `lowcomm`, `sharded`, `noise`), each with
+One module per section (`accumulate`, `microbatch`, `flax`, `lowcomm`, `sharded`, `noise`, `fsdp`), each with
 `run(quick) -> list of {"title", "markdown", ...}`; `common` holds the MLP, its
 data and the timing helpers they share. Importing this package touches no device.
 """
@@ -19,7 +19,7 @@ import json
 import os
 import platform
 
-SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "noise")
+SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "noise", "fsdp")
 
 
 def _setup_devices(num_devices: int) -> None:
