@@ -188,8 +188,6 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
     shards, others = res
     if others is None:
       others = tuple(_zeros(a) for a in other_avals)
-    z = _dependence(cts)
-    raw = [_gather(ctx, s, lz.dim, z) for lz, s in zip(lazies, shards, strict=True)]
     diff_in = [o for o, d in zip(others, diff, strict=True) if d]
 
     def g(raw, diff_in):
@@ -198,12 +196,24 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
       fulls = [_replay(lz.chain, r) for lz, r in zip(lazies, raw, strict=True)]
       return assemble(fulls, merged)
 
-    _, vjp = jax.vjp(g, raw, diff_in)
-    ct_raw, ct_diff = vjp(cts)
+    # The parameters' cotangents first, reduce-scattered at once. For a bilinear use (x @ w,
+    # x * scale) they do not need the gathered parameter: XLA drops this gather.
+    z = _dependence(cts)
+    raw = [_gather(ctx, s, lz.dim, z) for lz, s in zip(lazies, shards, strict=True)]
+    _, vjp_p = jax.vjp(lambda raw: g(raw, diff_in), raw)
+    (ct_raw,) = vjp_p(cts)
     ct_shards = []
     for lz, s, c in zip(lazies, shards, ct_raw, strict=True):
       block = lax.psum_scatter(c.astype(s.dtype), ctx.axis, scatter_dimension=lz.dim, tiled=True)
       ct_shards.append(_match_vma(block, _vma(s)))
+    # Then the other inputs' cotangents (ct @ w.T) with a re-gather that waits for the
+    # scattered gradient: one full-size buffer at a time, the gathered layer or its gradient.
+    ct_diff: list = []
+    if diff_in:
+      z = _dependence(ct_shards)
+      raw = [_gather(ctx, s, lz.dim, z) for lz, s in zip(lazies, shards, strict=True)]
+      _, vjp_o = jax.vjp(lambda diff_in: g(raw, diff_in), diff_in)
+      (ct_diff,) = vjp_o(cts)
     it = iter(ct_diff)
     ct_others = tuple(next(it) if d else None for d in diff)
     return tuple(ct_shards), ct_others
