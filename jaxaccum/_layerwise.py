@@ -319,7 +319,8 @@ def _scan(ctx, eqn, invals):
   closed = p["jaxpr"]
   consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
   carry = [_materialize(ctx, x) for x in carry]
-  x_flat, x_specs = [], []
+  x_flat: list = []
+  x_specs: list[tuple[int, tuple] | None] = []
   for x in xs:
     if isinstance(x, _Lazy) and x.dim > 0 and all(e.primitive.name in _ELEMENTWISE for e in x.chain):
       x_flat.append(x.shard)

@@ -225,7 +225,7 @@ def collectives_per_step(hlo_text: str, num_devices: int = 8) -> dict[str, dict[
         groups = _hlo._groups(line)
         n = len(next(iter(groups))) if groups else num_devices
         if base == "all-gather":
-          ring = result_bytes // n * (n - 1)
+          ring: float = result_bytes // n * (n - 1)
         elif base == "reduce-scatter":
           ring = result_bytes * (n - 1)
         elif base == "all-reduce":
