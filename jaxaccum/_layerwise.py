@@ -104,11 +104,17 @@ def _dependence(tree):
   the dependence is real and survives to scheduling.
   """
   for x in jax.tree.leaves(tree):
-    if not _is_dynamic(x) or x.size == 0 or not jnp.issubdtype(x.dtype, jnp.floating):
+    if not _is_dynamic(x) or x.size == 0 or not jnp.issubdtype(x.dtype, jnp.floating) or _typed_sharded(x):
       continue
     s = lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(())
     return -(jnp.abs(jnp.where(jnp.isfinite(s), s, jnp.zeros((), s.dtype))) * jnp.zeros((), s.dtype))
   return None
+
+
+def _typed_sharded(x) -> bool:
+  """Whether `x`'s type is sharded over an Explicit mesh axis (one element of it is not local: skip it)."""
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  return spec is not None and any(e is not None for e in spec)
 
 
 def _tie(shard, z):
@@ -137,7 +143,10 @@ def _replay(chain, x):
 
 
 def _zeros(aval):
-  z = jnp.zeros(aval.shape, aval.dtype)
+  """Zeros of `aval`'s type: shape, dtype, sharding over Explicit axes, and varying manual axes."""
+  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  typed = spec is not None and any(e is not None for e in spec)
+  z = jnp.zeros(aval.shape, aval.dtype, out_sharding=aval.sharding if typed else None)
   vma = _vma(aval)
   return lax.pcast(z, tuple(sorted(vma)), to="varying") if vma else z
 
@@ -150,8 +159,28 @@ class _Ctx(NamedTuple):
   size: int
 
 
+def _on_explicit(fn, like):
+  """`fn` (a collective over the manual axis) on a value typed as sharded over Explicit mesh axes too.
+
+  JAX's collectives take no operand typed as sharded over other Explicit axes
+  (e.g. "model"); `auto_axes` lets the partitioner handle those axes for the one
+  call, and the result keeps `like`'s sharding type over them.
+  """
+  spec = getattr(getattr(jax.typeof(like), "sharding", None), "spec", None)
+  if spec is None or all(e is None for e in spec):
+    return fn
+  axes = sorted({n for e in spec if e is not None for n in ((e,) if isinstance(e, str) else e)})
+  return jax.sharding.auto_axes(fn, axes=tuple(axes), out_sharding=spec)
+
+
 def _gather(ctx, shard, dim, z):
-  return lax.all_gather(_tie(shard, z), ctx.axis, axis=dim, tiled=True, to="varying")
+  gather = lambda v: lax.all_gather(v, ctx.axis, axis=dim, tiled=True, to="varying")
+  return _on_explicit(gather, shard)(_tie(shard, z))
+
+
+def _scatter(ctx, ct, shard, dim):
+  scatter = lambda v: lax.psum_scatter(v, ctx.axis, scatter_dimension=dim, tiled=True)
+  return _on_explicit(scatter, shard)(ct.astype(shard.dtype))
 
 
 def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> list:
@@ -204,7 +233,7 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
     (ct_raw,) = vjp_p(cts)
     ct_shards = []
     for lz, s, c in zip(lazies, shards, ct_raw, strict=True):
-      block = lax.psum_scatter(c.astype(s.dtype), ctx.axis, scatter_dimension=lz.dim, tiled=True)
+      block = _scatter(ctx, c, s, lz.dim)
       ct_shards.append(_match_vma(block, _vma(s)))
     # Then the other inputs' cotangents (ct @ w.T) with a re-gather that waits for the
     # scattered gradient: one full-size buffer at a time, the gathered layer or its gradient.

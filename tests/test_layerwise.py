@@ -198,3 +198,45 @@ def test_bad_arguments():
     _layerwise_grads(lambda p, x, y: _listed_loss(p, x, y)[0], params, specs, [0] * 5, x, y)
   with pytest.raises(ValueError, match=r"dims\[1\]=2"):
     _layerwise_grads(lambda p, x, y: _listed_loss(p, x, y)[0], params, specs, [0, 2, 0, 0, 0, 0], x, y)
+
+
+def test_explicit_mesh_with_a_model_axis_exact():
+  # An Explicit ("data", "model") mesh: the weights sharded over "data" on dimension 0 (the manual
+  # axis, gathered layer by layer) and over "model" on dimension 1 (left to the partitioner).
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:8])
+  params = _listed(jax.random.PRNGKey(3))
+  x, y = _data()
+  placed = [
+    {
+      "b": jax.device_put(p["b"], jax.NamedSharding(mesh, PartitionSpec("data"))),
+      "w": jax.device_put(p["w"], jax.NamedSharding(mesh, PartitionSpec("data", "model"))),
+    }
+    for p in params
+  ]
+  batch = jax.device_put((x, y), jax.NamedSharding(mesh, PartitionSpec("data")))
+  loss = lambda p, x, y: _listed_loss(p, x, y)[0]
+  f = layerwise(loss, [0] * 6, "data", 4)
+
+  def body(shards, x, y):
+    value, g = jax.value_and_grad(f)(shards, x, y)
+    return lax.psum(value, "data"), g
+
+  specs = [{"b": PartitionSpec("data"), "w": PartitionSpec("data")} for _ in params]
+  fn = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=mesh,
+      in_specs=(specs, PartitionSpec("data"), PartitionSpec("data")),
+      out_specs=(PartitionSpec(), specs),
+      axis_names={"data"},
+    )
+  )
+  value, grads = fn(placed, *batch)
+  assert grads[0]["w"].sharding.spec == PartitionSpec("data", "model")
+
+  def total(p):
+    return sum(loss(p, x[i * 8 : (i + 1) * 8], y[i * 8 : (i + 1) * 8]) for i in range(4)) / 4
+
+  want_value, want = jax.value_and_grad(total)(params)
+  _assert_close(value / 4, want_value)
+  _assert_close(jax.tree.map(lambda g: g / 4, grads), want)
