@@ -118,12 +118,13 @@ def test_listed_layers_exact_with_aux_and_a_replicated_leaf():
 class _MLP(nn.Module):
   @nn.compact
   def __call__(self, x):
-    for _ in range(2):
-      x = nn.relu(nn.Dense(16, param_dtype=jnp.float64)(x))
+    x = nn.relu(nn.Dense(16, param_dtype=jnp.float64)(x))
+    # A rematerialised layer: its jax.checkpoint region is re-wrapped around the interpreted body.
+    x = nn.relu(nn.remat(nn.Dense)(16, param_dtype=jnp.float64)(x))
     return nn.Dense(16, param_dtype=jnp.float64)(x)
 
 
-def test_flax_linen_mlp_exact():
+def test_flax_linen_mlp_with_remat_exact():
   x, y = _data()
   model = _MLP()
   params = model.init(jax.random.PRNGKey(1), x[:1])
