@@ -157,6 +157,7 @@ def _zeros(aval):
 class _Ctx(NamedTuple):
   axis: str
   size: int
+  keep: Any = None  # a boolean scalar per device (or None): False zeroes its gradient contributions
 
 
 def _on_explicit(fn, like):
@@ -180,7 +181,11 @@ def _gather(ctx, shard, dim, z):
 
 def _scatter(ctx, ct, shard, dim):
   scatter = lambda v: lax.psum_scatter(v, ctx.axis, scatter_dimension=dim, tiled=True)
-  return _on_explicit(scatter, shard)(ct.astype(shard.dtype))
+  ct = ct.astype(shard.dtype)
+  if ctx.keep is not None:
+    # Exactly 0 from a device whose microbatch does not count (an all-padding one: NaN loss).
+    ct = jnp.where(ctx.keep, ct, jnp.zeros((), ct.dtype))
+  return _on_explicit(scatter, shard)(ct)
 
 
 def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> list:
@@ -386,7 +391,7 @@ def _check_dims(dims, leaves) -> list:
 
 
 def layerwise(loss_fn: Callable[..., Any], dims: Sequence[int | None] | Any, axis: str, size: int):
-  """Returns `f(shards, *args)`: `loss_fn(full_params, *args)` with each parameter gathered where it is used.
+  """Returns `f(shards, *args, keep=None)`: `loss_fn(full_params, *args)`, each parameter gathered where used.
 
   Call it inside a `jax.shard_map` that is manual over `axis` (with `size`
   devices). `shards` is the parameter pytree with each leaf's local block
@@ -402,7 +407,16 @@ def layerwise(loss_fn: Callable[..., Any], dims: Sequence[int | None] | Any, axi
   Each parameter is all-gathered at the equation that uses it, freed after,
   all-gathered again for its backward equation, and its gradient is
   reduce-scattered there: per call, 2 all-gathers and 1 reduce-scatter per use
-  of a sharded leaf (one leaf used once per layer: 2 and 1 per layer).
+  of a sharded leaf (one leaf used once per layer: 2 and 1 per layer; XLA
+  drops the backward re-gather where nothing needs it, e.g. for a bias add or
+  for the first layer, whose input needs no cotangent).
+
+  `keep` (optional, a boolean scalar per device, e.g. `weight != 0`): where
+  False, this device adds exactly 0 to every sharded leaf's reduce-scattered
+  gradient, even if its loss or gradient is NaN (an all-padding microbatch).
+  Scaling the loss by a weight of 0 is not enough for that (0 x NaN is NaN),
+  and the reduce-scatter would spread the NaN to every device's block.
+  Replicated leaves' gradients are local: the caller masks those.
 
   Args:
     loss_fn: `loss_fn(params, *args)` for full-size `params` (any JAX code:
@@ -414,7 +428,7 @@ def layerwise(loss_fn: Callable[..., Any], dims: Sequence[int | None] | Any, axi
     size: the number of devices on `axis`.
 
   Returns:
-    `f(shards, *args)`, returning what `loss_fn` returns.
+    `f(shards, *args, keep=None)`, returning what `loss_fn` returns.
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn={loss_fn!r} must be callable")
@@ -422,9 +436,9 @@ def layerwise(loss_fn: Callable[..., Any], dims: Sequence[int | None] | Any, axi
     raise ValueError(f"axis={axis!r} must be one manual mesh axis name (a string)")
   if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
     raise ValueError(f"size={size!r} must be a positive int (the number of devices on axis {axis!r})")
-  ctx = _Ctx(axis, int(size))
 
-  def f(shards, *args):
+  def f(shards, *args, keep=None):
+    ctx = _Ctx(axis, int(size), None if keep is None else jnp.asarray(keep, bool))
     leaves, treedef = jax.tree.flatten(shards)
     flat_dims = _check_dims(dims, leaves)
     full = []

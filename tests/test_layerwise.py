@@ -241,3 +241,33 @@ def test_explicit_mesh_with_a_model_axis_exact():
   want_value, want = jax.value_and_grad(total)(params)
   _assert_close(value / 4, want_value)
   _assert_close(jax.tree.map(lambda g: g / 4, grads), want)
+
+
+def test_keep_false_adds_exact_zeros_even_from_nan():
+  """A device whose microbatch does not count (keep=False) adds exactly 0, though its loss is NaN."""
+  params = _listed(jax.random.PRNGKey(4))
+  x, y = _data()
+  x = x.at[12:16].set(jnp.nan)  # device 3's rows
+  loss = lambda p, x, y: _listed_loss(p, x, y)[0]
+  f = layerwise(loss, [0] * 6, "data", P)
+
+  def body(shards, x, y):
+    keep = lax.axis_index("data") != 3
+    w = keep.astype(x.dtype)
+    return jax.grad(lambda s: w * f(s, x, y, keep=keep))(shards)
+
+  specs = [{"b": PartitionSpec("data"), "w": PartitionSpec("data")} for _ in params]
+  fn = jax.jit(
+    jax.shard_map(
+      body,
+      mesh=_mesh(),
+      in_specs=(specs, PartitionSpec("data"), PartitionSpec("data")),
+      out_specs=specs,
+      axis_names={"data"},
+    )
+  )
+  grads = fn(params, x, y)
+  want = jax.grad(lambda p: sum(loss(p, x[i * 4 : (i + 1) * 4], y[i * 4 : (i + 1) * 4]) for i in range(P) if i != 3))(
+    params
+  )
+  _assert_close(grads, want)
