@@ -158,6 +158,7 @@ class _Ctx(NamedTuple):
   axis: str
   size: int
   keep: Any = None  # a boolean scalar per device (or None): False zeroes its gradient contributions
+  wire: Any = None  # the dtype gradients are reduce-scattered in (None: the parameter's own)
 
 
 def _on_explicit(fn, like):
@@ -185,6 +186,8 @@ def _scatter(ctx, ct, shard, dim):
   if ctx.keep is not None:
     # Exactly 0 from a device whose microbatch does not count (an all-padding one: NaN loss).
     ct = jnp.where(ctx.keep, ct, jnp.zeros((), ct.dtype))
+  if ctx.wire is not None:
+    return _on_explicit(scatter, shard)(ct.astype(ctx.wire)).astype(shard.dtype)
   return _on_explicit(scatter, shard)(ct)
 
 
@@ -390,7 +393,9 @@ def _check_dims(dims, leaves) -> list:
   return [None if d is None else int(d) for d in flat]
 
 
-def layerwise(loss_fn: Callable[..., Any], dims: Sequence[int | None] | Any, axis: str, size: int):
+def layerwise(
+  loss_fn: Callable[..., Any], dims: Sequence[int | None] | Any, axis: str, size: int, *, comm_dtype: Any = None
+):
   """Returns `f(shards, *args, keep=None)`: `loss_fn(full_params, *args)`, each parameter gathered where used.
 
   Call it inside a `jax.shard_map` that is manual over `axis` (with `size`
@@ -426,6 +431,9 @@ def layerwise(loss_fn: Callable[..., Any], dims: Sequence[int | None] | Any, axi
       pytree of the same structure with None leaves).
     axis: the manual mesh axis the shards are split over.
     size: the number of devices on `axis`.
+    comm_dtype: the dtype gradients go on the wire in (e.g. `jnp.bfloat16`;
+      the reduce-scatter sums in it), cast back to the parameter's dtype;
+      None: the parameter's own. Parameters are gathered in their own dtype.
 
   Returns:
     `f(shards, *args, keep=None)`, returning what `loss_fn` returns.
@@ -436,9 +444,13 @@ def layerwise(loss_fn: Callable[..., Any], dims: Sequence[int | None] | Any, axi
     raise ValueError(f"axis={axis!r} must be one manual mesh axis name (a string)")
   if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
     raise ValueError(f"size={size!r} must be a positive int (the number of devices on axis {axis!r})")
+  if comm_dtype is not None:
+    comm_dtype = jnp.dtype(comm_dtype)
+    if not jnp.issubdtype(comm_dtype, jnp.floating):
+      raise ValueError(f"{comm_dtype=} must be a floating dtype (an integer wire dtype truncates)")
 
   def f(shards, *args, keep=None):
-    ctx = _Ctx(axis, int(size), None if keep is None else jnp.asarray(keep, bool))
+    ctx = _Ctx(axis, int(size), None if keep is None else jnp.asarray(keep, bool), comm_dtype)
     leaves, treedef = jax.tree.flatten(shards)
     flat_dims = _check_dims(dims, leaves)
     full = []

@@ -7,6 +7,8 @@ all-gather of the whole tree, one per use of each weight forward and again
 backward, one reduce-scatter per sharded leaf.
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -192,6 +194,8 @@ def test_bad_arguments():
     layerwise(_listed_loss, [0], "data", 0)
   with pytest.raises(ValueError, match="axis"):
     layerwise(_listed_loss, [0], "", P)
+  with pytest.raises(ValueError, match="comm_dtype"):
+    layerwise(_listed_loss, [0], "data", P, comm_dtype=jnp.int32)
   params = _listed(jax.random.PRNGKey(0))
   x, y = _data()
   specs = [{"b": PartitionSpec("data"), "w": PartitionSpec("data")} for _ in params]
@@ -271,3 +275,28 @@ def test_keep_false_adds_exact_zeros_even_from_nan():
     params
   )
   _assert_close(grads, want)
+
+
+def test_comm_dtype_puts_the_gradients_on_the_wire_in_bfloat16():
+  params = _listed(jax.random.PRNGKey(5))
+  x, y = _data()
+  loss = lambda p, x, y: _listed_loss(p, x, y)[0]
+  f = layerwise(loss, [0] * 6, "data", P, comm_dtype=jnp.bfloat16)
+  specs = [{"b": PartitionSpec("data"), "w": PartitionSpec("data")} for _ in params]
+  fn = jax.jit(
+    jax.shard_map(
+      jax.grad(f),
+      mesh=_mesh(),
+      in_specs=(specs, PartitionSpec("data"), PartitionSpec("data")),
+      out_specs=specs,
+      axis_names={"data"},
+    )
+  )
+  grads = fn(params, x, y)
+  want = jax.grad(lambda p: sum(loss(p, x[i * 4 : (i + 1) * 4], y[i * 4 : (i + 1) * 4]) for i in range(P)))(params)
+  assert all(g.dtype == jnp.float64 for g in jax.tree.leaves(grads))
+  _assert_close(grads, want, tol=2e-2)  # bfloat16 sums: close, not exact
+  # What the program asks for (XLA CPU then widens bfloat16 reductions to float32 to compute them).
+  text = fn.lower(params, x, y).as_text()
+  scatters = re.findall(r'"stablehlo.reduce_scatter".*?\) -> tensor<([^>]*)>', text, flags=re.DOTALL)
+  assert len(scatters) == 6 and all(t.endswith("bf16") for t in scatters), scatters
