@@ -35,6 +35,7 @@ def _data(width=16, out=16):
 
 def _pad(dims, flat):
   # The helper's own bookkeeping tolerates a wrong-length dims: layerwise itself must refuse it.
+  dims = jax.tree.leaves(dims, is_leaf=lambda d: d is None)
   return (list(dims) + [0] * len(flat))[: len(flat)]
 
 
@@ -300,3 +301,37 @@ def test_comm_dtype_puts_the_gradients_on_the_wire_in_bfloat16():
   text = fn.lower(params, x, y).as_text()
   scatters = re.findall(r'"stablehlo.reduce_scatter".*?\) -> tensor<([^>]*)>', text, flags=re.DOTALL)
   assert len(scatters) == 6 and all(t.endswith("bf16") for t in scatters), scatters
+
+
+def test_lookup_tied_weights_scan_consts_cond_and_weight_decay_exact():
+  """The interpreter's other paths: an embedding lookup (integer indices), the same weight used twice
+  (tied), parameters closed over by a scan body (consts) and by a cond, a penalty on a parameter alone
+  (a lazy chain of reductions), and a replicated leaf."""
+  keys = jax.random.split(jax.random.PRNGKey(6), 3)
+  params = {
+    "emb": 0.3 * jax.random.normal(keys[0], (32, 16), jnp.float64),
+    "odd": jnp.ones((3,), jnp.float64),
+    "scale": jnp.full((16,), 1.1, jnp.float64),
+    "w": 0.3 * jax.random.normal(keys[1], (16, 16), jnp.float64),
+  }
+  ids = jax.random.randint(keys[2], (ROWS, 5), 0, 32)
+  y = jnp.zeros((ROWS,), jnp.float64)
+
+  def loss(p, ids, y):
+    h = p["emb"][ids].mean(1)
+    h, _ = lax.scan(lambda h, _: (jnp.tanh(h @ p["w"]) * p["scale"], None), h, None, length=2)
+    h = lax.cond(h.sum() > 0, lambda h: h @ p["w"].T, lambda h: h - p["w"][0], h)
+    logits = h @ p["emb"].T
+    return jnp.mean(jax.nn.log_softmax(logits)[:, 0] + y) + jnp.sum(p["odd"] ** 2) + 0.01 * jnp.sum(p["w"] ** 2)
+
+  dims = {"emb": 0, "odd": None, "scale": 0, "w": 0}
+  specs = {
+    "emb": PartitionSpec("data"),
+    "odd": PartitionSpec(),
+    "scale": PartitionSpec("data"),
+    "w": PartitionSpec("data"),
+  }
+  _, (value, grads) = _layerwise_grads(loss, params, specs, dims, ids, y)
+  want_value, want = _full_batch(loss, params, ids, y)
+  _assert_close(value / P, want_value)
+  _assert_close(jax.tree.map(lambda g: g / P, grads), want)
