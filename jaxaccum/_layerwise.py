@@ -61,7 +61,13 @@ from jaxaccum import parallel
 _LINEAR = frozenset({"add", "sub", "add_any", "neg"})
 # Unary elementwise operations: they commute with slicing the layer axis of a stacked parameter.
 _ELEMENTWISE = frozenset({"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"})
-_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+_INLINE = {
+  "jit": "jaxpr",
+  "pjit": "jaxpr",
+  "closed_call": "call_jaxpr",
+  "call": "call_jaxpr",
+  "core_call": "call_jaxpr",
+}
 
 
 class _Lazy(NamedTuple):
@@ -305,7 +311,7 @@ def _eval(ctx, jaxpr, consts, args) -> list:
         outs = _eval(ctx, closed.jaxpr, closed.consts, invals)
       else:
         outs = _eval(ctx, closed, (), invals)
-    elif name in ("checkpoint", "remat"):
+    elif name in ("remat2", "checkpoint", "remat"):
       outs = _remat(ctx, eqn, invals)
     elif name == "scan":
       outs = _scan(ctx, eqn, invals)
