@@ -77,7 +77,7 @@ def _full_batch(loss, params, x, y, has_aux=False):
     outs = [loss(p, x[i * 4 : (i + 1) * 4], y[i * 4 : (i + 1) * 4]) for i in range(P)]
     return jax.tree.map(lambda *v: sum(v) / P, *outs)
 
-  return jax.value_and_grad(total, has_aux=has_aux)(params)
+  return jax.jit(jax.value_and_grad(total, has_aux=has_aux))(params)
 
 
 def _assert_close(got, want, tol=1e-12):
