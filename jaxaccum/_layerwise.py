@@ -21,8 +21,11 @@ bias `add`), that one equation runs through a `custom_vjp` "gather-and-apply":
 - forward: all-gather the shard, replay the unary operations, apply the
   equation; save the shard (and the equation's other inputs when its
   derivative needs them) but not the gathered value, which is freed;
-- backward: all-gather the shard again, take the equation's VJP, and
-  `psum_scatter` the parameter's cotangent at once.
+- backward: the parameter's cotangent first, `psum_scatter`ed at once (for a
+  bilinear use such as `x @ w` it needs no gathered parameter), then the
+  shard all-gathered again for the other inputs' cotangent (`ct @ w.T`), after
+  the scatter: one full-size buffer alive at a time, the layer or its
+  gradient. XLA drops a re-gather nothing needs (a bias add, the first layer).
 
 Each gather carries a real data dependence that is numerically the identity
 (the shard plus an exact -0.0 computed from one element of the equation's
