@@ -5,6 +5,8 @@ import math
 import subprocess
 import sys
 
+SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "fsdp", "noise", "grad", "per_example")
+
 
 def _numbers(tree, path=""):
   if isinstance(tree, dict):
@@ -30,7 +32,7 @@ def test_bench_quick_report(tmp_path):
   report = json.loads(out.read_text())
   assert report["header"]["quick"] is True
   sections = {s["section"] for s in report["sections"]}
-  assert sections == {"accumulate", "microbatch", "flax", "lowcomm", "sharded", "noise"}
+  assert sections == set(SECTIONS)
   for s in report["sections"]:
     assert s["title"] and s["markdown"].count("|") > 4, s
     assert f"## {s['title']}" in proc.stdout
@@ -49,7 +51,7 @@ def test_bench_is_a_subpackage_with_one_module_per_section():
 
   root = pathlib.Path(jaxaccum.__file__).parent
   assert not list(root.glob("_bench_*.py")) and not (root / "bench.py").exists()
-  assert bench.SECTIONS == ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "noise")
+  assert bench.SECTIONS == SECTIONS
   for name in bench.SECTIONS:
     assert callable(importlib.import_module(f"jaxaccum.bench.{name}").run), name
   proc = subprocess.run([sys.executable, "-m", "jaxaccum.bench", "--help"], capture_output=True, text=True, timeout=120)

@@ -5,8 +5,8 @@ compiled memory analysis; communication as all-reduce instructions in the
 compiled HLO. Multi-device sections run on 8 devices, simulated on CPU when
 the machine has fewer.
 
-One module per section (`accumulate`, `microbatch`, `flax`, `lowcomm`, `sharded`, `noise`,
-`per_example`), each with
+One module per section (`accumulate`, `microbatch`, `flax`, `lowcomm`, `sharded`, `fsdp`,
+`noise`, `grad`, `per_example`), each with
 `run(quick) -> list of {"title", "markdown", ...}`; `common` holds the MLP, its
 data and the timing helpers they share. Importing this package touches no device.
 """
@@ -20,7 +20,7 @@ import json
 import os
 import platform
 
-SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "noise", "per_example")
+SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "fsdp", "noise", "grad", "per_example")
 
 
 def _setup_devices(num_devices: int) -> None:
@@ -71,7 +71,3 @@ def main(argv=None) -> int:
     json.dump(report, f, indent=2, default=float)
   print(f"JSON written to {args.json}")
   return 0
-
-
-# Your own jit step on an Explicit mesh (issue 19): collectives per window of ja.grad + ja.accumulate.
-SECTIONS = (*SECTIONS, "grad")  # type: ignore[assignment]

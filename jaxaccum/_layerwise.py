@@ -1,0 +1,479 @@
+"""Layerwise FSDP inside a shard_map: gather each parameter where it is used, free it, re-gather it backwards.
+
+`layerwise(loss_fn, dims, axis, size)` turns a loss written for full-size
+parameters into a function of the local shards (P = `size` devices on the
+manual axis `axis`). Under `jax.value_and_grad` it returns the loss and, for
+every sharded leaf, the reduce-scattered gradient
+
+.. math:: \\bar g_p = \\Big[\\sum_{q=1}^{P} \\nabla_\\theta L_q\\Big]_{\\text{block } p \\text{ of dim}},
+
+what `lax.psum_scatter(g_full, axis, scatter_dimension=dim, tiled=True)` of
+each device's full gradient would give, without ever holding a full-size copy
+of the parameter tree or of its gradient.
+
+How. `loss_fn` is traced once to a jaxpr with full-size abstract parameters,
+then evaluated by a small interpreter. A value derived from one parameter by
+unary operations only (casts, reshapes, transposes, broadcasts) stays *lazy*:
+the shard plus the operations, nothing gathered. At the first equation that
+combines it with anything else (a `dot_general` with the activations, the
+bias `add`), that one equation runs through a `custom_vjp` "gather-and-apply":
+
+- forward: all-gather the shard, replay the unary operations, apply the
+  equation; save the shard (and the equation's other inputs when its
+  derivative needs them) but not the gathered value, which is freed;
+- backward: the parameter's cotangent first, `psum_scatter`ed at once (for a
+  bilinear use such as `x @ w` it needs no gathered parameter), then the
+  shard all-gathered again for the other inputs' cotangent (`ct @ w.T`), after
+  the scatter: one full-size buffer alive at a time, the layer or its
+  gradient. XLA drops a re-gather nothing needs (a bias add, the first layer).
+
+Each gather carries a real data dependence that is numerically the identity
+(the shard plus an exact -0.0 computed from one element of the equation's
+other input, or of the incoming cotangent): XLA can neither hoist the
+gathers of all layers to the start of the step nor merge the backward
+re-gather into the forward gather (common-subexpression elimination would,
+and then every gathered layer stays alive from the forward pass to the
+backward one; measured on XLA CPU, see the notes). `pjit`/`closed_call` are
+inlined, `jax.checkpoint` regions are re-wrapped with their policy, and
+`lax.scan` bodies are interpreted per iteration, so that a stacked `(L, ...)`
+parameter fed as `xs` (scanned layers: MaxText/Levanter, `nnx.scan`,
+`linen.scan`) is gathered one layer per iteration. Any other equation that
+consumes a parameter (a `cond`, a `while`, a `custom_jvp` function) is
+applied whole through the same gather-and-apply: correct, if not finer.
+
+Replicated leaves (`dim=None`) are passed through untouched: their gradient is
+whatever `jax.grad` gives inside the shard_map (local when the caller passed
+them varying over the manual axes, psummed when invariant).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jcore
+
+from jaxaccum import parallel
+
+# Equations whose VJP needs none of the primal inputs (only their types): the
+# gather-and-apply saves nothing but the shard for them (a bias add).
+_LINEAR = frozenset({"add", "sub", "add_any", "neg"})
+# Unary elementwise operations: they commute with slicing the layer axis of a stacked parameter.
+_ELEMENTWISE = frozenset({"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"})
+_INLINE = {
+  "jit": "jaxpr",
+  "pjit": "jaxpr",
+  "closed_call": "call_jaxpr",
+  "call": "call_jaxpr",
+  "core_call": "call_jaxpr",
+}
+
+
+class _Lazy(NamedTuple):
+  """A parameter-derived value not yet gathered: `chain` applied to the gathered `shard`."""
+
+  shard: Any  # the local block (a traced array)
+  dim: int  # the dimension `shard` is a block of
+  chain: tuple  # unary jaxpr equations to replay on the gathered array, in order
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _vma(x) -> frozenset:
+  """The manual axes `x` (a value or an abstract value) varies over."""
+  return parallel._varying_axes(x) or frozenset()
+
+
+def _match_vma(x, target: frozenset):
+  """`x` typed as varying over exactly `target`: psum over extra axes (what autodiff does), pcast over missing."""
+  have = _vma(x)
+  extra = tuple(sorted(have - target))
+  if extra:
+    x = lax.psum(x, extra)
+  missing = tuple(sorted(target - _vma(x)))
+  if missing:
+    x = lax.pcast(x, missing, to="varying")
+  return x
+
+
+def _is_dynamic(x) -> bool:
+  return isinstance(x, (jax.Array, jax.core.Tracer))
+
+
+def _dependence(tree):
+  """An exact -0.0 computed from one element of the first floating array in `tree` (None if there is none).
+
+  `-(|where(isfinite(s), s, 0)| * 0)` is -0.0 for every s (NaN and inf included), and
+  `shard + (-0.0)` is `shard` bit for bit; XLA does not fold a float product by 0, so
+  the dependence is real and survives to scheduling.
+  """
+  for x in jax.tree.leaves(tree):
+    if not _is_dynamic(x) or x.size == 0 or not jnp.issubdtype(x.dtype, jnp.floating) or _typed_sharded(x):
+      continue
+    s = lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(())
+    return -(jnp.abs(jnp.where(jnp.isfinite(s), s, jnp.zeros((), s.dtype))) * jnp.zeros((), s.dtype))
+  return None
+
+
+def _typed_sharded(x) -> bool:
+  """Whether `x`'s type is sharded over an Explicit mesh axis (one element of it is not local: skip it)."""
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  return spec is not None and any(e is not None for e in spec)
+
+
+def _tie(shard, z):
+  if z is None or not (_vma(z) <= _vma(shard)):
+    return shard
+  return shard + z.astype(shard.dtype)
+
+
+def _bind(eqn, invals):
+  params = eqn.primitive.get_bind_params(eqn.params)
+  with eqn.ctx.manager:
+    out = eqn.primitive.bind(*invals, **params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _has_jaxpr(eqn) -> bool:
+  return any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in eqn.params.values())
+
+
+def _replay(chain, x):
+  """Applies the unary equations of a lazy value's chain to `x`."""
+  for eqn in chain:
+    invals = [v.val if isinstance(v, jcore.Literal) else x for v in eqn.invars]
+    (x,) = _bind(eqn, invals)
+  return x
+
+
+def _zeros(aval):
+  """Zeros of `aval`'s type: shape, dtype, sharding over Explicit axes, and varying manual axes."""
+  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  typed = spec is not None and any(e is not None for e in spec)
+  z = jnp.zeros(aval.shape, aval.dtype, out_sharding=aval.sharding if typed else None)
+  vma = _vma(aval)
+  return lax.pcast(z, tuple(sorted(vma)), to="varying") if vma else z
+
+
+# --------------------------------------------------------------------------- gather-and-apply
+
+
+class _Ctx(NamedTuple):
+  axis: str
+  size: int
+  keep: Any = None  # a boolean scalar per device (or None): False zeroes its gradient contributions
+  wire: Any = None  # the dtype gradients are reduce-scattered in (None: the parameter's own)
+
+
+def _on_explicit(fn, like):
+  """`fn` (a collective over the manual axis) on a value typed as sharded over Explicit mesh axes too.
+
+  JAX's collectives take no operand typed as sharded over other Explicit axes
+  (e.g. "model"); `auto_axes` lets the partitioner handle those axes for the one
+  call, and the result keeps `like`'s sharding type over them.
+  """
+  spec = getattr(getattr(jax.typeof(like), "sharding", None), "spec", None)
+  if spec is None or all(e is None for e in spec):
+    return fn
+  axes = sorted({n for e in spec if e is not None for n in ((e,) if isinstance(e, str) else e)})
+  return jax.sharding.auto_axes(fn, axes=tuple(axes), out_sharding=spec)
+
+
+def _gather(ctx, shard, dim, z):
+  gather = lambda v: lax.all_gather(v, ctx.axis, axis=dim, tiled=True, to="varying")
+  return _on_explicit(gather, shard)(_tie(shard, z))
+
+
+def _scatter(ctx, ct, shard, dim):
+  scatter = lambda v: lax.psum_scatter(v, ctx.axis, scatter_dimension=dim, tiled=True)
+  ct = ct.astype(shard.dtype)
+  if ctx.keep is not None:
+    # Exactly 0 from a device whose microbatch does not count (an all-padding one: NaN loss).
+    ct = jnp.where(ctx.keep, ct, jnp.zeros((), ct.dtype))
+  if ctx.wire is not None:
+    return _on_explicit(scatter, shard)(ct.astype(ctx.wire)).astype(shard.dtype)
+  return _on_explicit(scatter, shard)(ct)
+
+
+def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> list:
+  """`fn(values)` where the lazy values of `invals` are gathered inside a custom_vjp (see the module docstring)."""
+  lazy_pos = [i for i, x in enumerate(invals) if isinstance(x, _Lazy)]
+  dyn_pos = [i for i, x in enumerate(invals) if not isinstance(x, _Lazy) and _is_dynamic(x)]
+  lazies = [invals[i] for i in lazy_pos]
+  others_in = tuple(invals[i] for i in dyn_pos)
+  other_avals = [jax.typeof(x) for x in others_in]
+  diff = [jnp.issubdtype(a.dtype, jnp.inexact) for a in other_avals]
+
+  def assemble(fulls, others):
+    vals = list(invals)
+    for i, f in zip(lazy_pos, fulls, strict=True):
+      vals[i] = f
+    for i, o in zip(dyn_pos, others, strict=True):
+      vals[i] = o
+    return fn(vals)
+
+  def primal(shards, others):
+    z = _dependence(others)
+    fulls = [_replay(lz.chain, _gather(ctx, s, lz.dim, z)) for lz, s in zip(lazies, shards, strict=True)]
+    return assemble(fulls, others)
+
+  @jax.custom_vjp
+  def ga(shards, others):
+    return primal(shards, others)
+
+  def fwd(shards, others):
+    # Only the shards (and the other inputs where the VJP needs their values): never the gathered arrays.
+    return primal(shards, others), (shards, None if linear else others)
+
+  def bwd(res, cts):
+    shards, others = res
+    if others is None:
+      others = tuple(_zeros(a) for a in other_avals)
+    diff_in = [o for o, d in zip(others, diff, strict=True) if d]
+
+    def g(raw, diff_in):
+      it = iter(diff_in)
+      merged = [next(it) if d else o for o, d in zip(others, diff, strict=True)]
+      fulls = [_replay(lz.chain, r) for lz, r in zip(lazies, raw, strict=True)]
+      return assemble(fulls, merged)
+
+    # The parameters' cotangents first, reduce-scattered at once. For a bilinear use (x @ w,
+    # x * scale) they do not need the gathered parameter: XLA drops this gather.
+    z = _dependence(cts)
+    raw = [_gather(ctx, s, lz.dim, z) for lz, s in zip(lazies, shards, strict=True)]
+    _, vjp_p = jax.vjp(lambda raw: g(raw, diff_in), raw)
+    (ct_raw,) = vjp_p(cts)
+    ct_shards = []
+    for lz, s, c in zip(lazies, shards, ct_raw, strict=True):
+      block = _scatter(ctx, c, s, lz.dim)
+      ct_shards.append(_match_vma(block, _vma(s)))
+    # Then the other inputs' cotangents (ct @ w.T) with a re-gather that waits for the
+    # scattered gradient: one full-size buffer at a time, the gathered layer or its gradient.
+    ct_diff: list = []
+    if diff_in:
+      z = _dependence(ct_shards)
+      raw = [_gather(ctx, s, lz.dim, z) for lz, s in zip(lazies, shards, strict=True)]
+      _, vjp_o = jax.vjp(lambda diff_in: g(raw, diff_in), diff_in)
+      (ct_diff,) = vjp_o(cts)
+    it = iter(ct_diff)
+    ct_others = tuple(next(it) if d else None for d in diff)
+    return tuple(ct_shards), ct_others
+
+  ga.defvjp(fwd, bwd)
+  return list(ga(tuple(lz.shard for lz in lazies), others_in))
+
+
+def _materialize(ctx, x):
+  """A lazy value gathered in full (where it leaves the interpreter or enters an opaque region)."""
+  if not isinstance(x, _Lazy):
+    return x
+  return _gather_apply(ctx, lambda vals: vals, [x])[0]
+
+
+# --------------------------------------------------------------------------- the interpreter
+
+
+def _eval(ctx, jaxpr, consts, args) -> list:
+  env: dict = {}
+
+  def read(v):
+    return v.val if isinstance(v, jcore.Literal) else env[v]
+
+  def write(v, x):
+    if not isinstance(v, jcore.DropVar):
+      env[v] = x
+
+  for v, x in zip(jaxpr.constvars, consts, strict=True):
+    write(v, x)
+  for v, x in zip(jaxpr.invars, args, strict=True):
+    write(v, x)
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    lazy = [x for x in invals if isinstance(x, _Lazy)]
+    name = eqn.primitive.name
+    if not lazy:
+      outs = _bind(eqn, invals)
+    elif (
+      len(lazy) == 1
+      and len(eqn.outvars) == 1
+      and not _has_jaxpr(eqn)
+      and not eqn.effects
+      and all(isinstance(x, _Lazy) or not _is_dynamic(x) for x in invals)
+    ):
+      # A unary operation of one parameter: stays lazy (nothing gathered yet).
+      (lz,) = lazy
+      outs = [lz._replace(chain=lz.chain + (eqn,))]
+    elif name in _INLINE:
+      closed = eqn.params[_INLINE[name]]
+      if isinstance(closed, jcore.ClosedJaxpr):
+        outs = _eval(ctx, closed.jaxpr, closed.consts, invals)
+      else:
+        outs = _eval(ctx, closed, (), invals)
+    elif name in ("remat2", "checkpoint", "remat"):
+      outs = _remat(ctx, eqn, invals)
+    elif name == "scan":
+      outs = _scan(ctx, eqn, invals)
+    else:
+      # dot_general, a bias add, or anything opaque (cond, while, custom_jvp_call): gather-and-apply.
+      outs = _gather_apply(ctx, lambda vals, eqn=eqn: _bind(eqn, vals), invals, linear=name in _LINEAR)
+    for v, x in zip(eqn.outvars, outs, strict=True):
+      write(v, x)
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _split(invals):
+  """(flat dynamic values, how to rebuild each: None or (dim, chain)) of a list with lazies."""
+  flat = [x.shard if isinstance(x, _Lazy) else x for x in invals]
+  specs = [(x.dim, x.chain) if isinstance(x, _Lazy) else None for x in invals]
+  return flat, specs
+
+
+def _rebuild(flat, specs):
+  return [x if s is None else _Lazy(x, s[0], s[1]) for x, s in zip(flat, specs, strict=True)]
+
+
+def _remat(ctx, eqn, invals):
+  """A `jax.checkpoint` region: interpreted inside a new checkpoint with the same policy."""
+  p = eqn.params
+  jaxpr = p["jaxpr"]
+  flat, specs = _split(invals)
+
+  def fun(*flat):
+    outs = _eval(ctx, jaxpr, (), _rebuild(list(flat), specs))
+    return [_materialize(ctx, o) for o in outs]
+
+  return list(jax.checkpoint(fun, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))(*flat))
+
+
+def _scan(ctx, eqn, invals):
+  """`lax.scan` with parameters among its inputs: interpreted per iteration.
+
+  A stacked parameter fed as `xs` and sharded on a dimension other than the
+  layer axis is sliced as a shard (one layer's block per iteration, `dim - 1`
+  in the body) and gathered there; parameters among the consts are gathered
+  in each iteration that uses them. A parameter in the carry, or a stacked one
+  sharded on the layer axis, is gathered whole before the loop (correct, not
+  layerwise).
+  """
+  p = eqn.params
+  nc, ncar = p["num_consts"], p["num_carry"]
+  closed = p["jaxpr"]
+  consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
+  carry = [_materialize(ctx, x) for x in carry]
+  x_flat: list = []
+  x_specs: list[tuple[int, tuple] | None] = []
+  for x in xs:
+    if isinstance(x, _Lazy) and x.dim > 0 and all(e.primitive.name in _ELEMENTWISE for e in x.chain):
+      x_flat.append(x.shard)
+      x_specs.append((x.dim - 1, x.chain))
+    else:
+      x_flat.append(_materialize(ctx, x))
+      x_specs.append(None)
+
+  def body(c, x):
+    vals = list(consts) + list(c) + _rebuild(list(x), x_specs)
+    outs = [_materialize(ctx, o) for o in _eval(ctx, closed.jaxpr, closed.consts, vals)]
+    return outs[:ncar], outs[ncar:]
+
+  kwargs = {"length": p["length"], "reverse": p["reverse"], "unroll": p["unroll"]}
+  c_out, ys = lax.scan(body, carry, x_flat, **kwargs)
+  return list(c_out) + list(ys)
+
+
+# --------------------------------------------------------------------------- the entry point
+
+
+def _check_dims(dims, leaves) -> list:
+  flat = jax.tree.leaves(dims, is_leaf=lambda d: d is None)
+  if len(flat) != len(leaves):
+    raise ValueError(
+      f"dims={dims!r} has {len(flat)} entries; the shards have {len(leaves)} leaves (one int or None per leaf)"
+    )
+  for j, (d, x) in enumerate(zip(flat, leaves, strict=True)):
+    if d is None:
+      continue
+    if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not 0 <= d < np.ndim(x):
+      raise ValueError(f"dims[{j}]={d!r} must be None or a dimension of its shard (shape {np.shape(x)})")
+  return [None if d is None else int(d) for d in flat]
+
+
+def layerwise(
+  loss_fn: Callable[..., Any], dims: Sequence[int | None] | Any, axis: str, size: int, *, comm_dtype: Any = None
+):
+  """Returns `f(shards, *args, keep=None)`: `loss_fn(full_params, *args)`, each parameter gathered where used.
+
+  Call it inside a `jax.shard_map` that is manual over `axis` (with `size`
+  devices). `shards` is the parameter pytree with each leaf's local block
+  (leaf j sharded on dimension `dims[j]`, `size` blocks in device order, as
+  `in_specs` with `axis` on that dimension gives), or the full leaf where
+  `dims[j]` is None. `jax.value_and_grad(f)(shards, *args)` returns
+  `loss_fn(full_params, *args)` and, for a sharded leaf, the sum over the
+  devices of `axis` of each device's gradient, block p on device p (what
+  `lax.psum_scatter(g, axis, scatter_dimension=dims[j], tiled=True)` gives);
+  for a replicated leaf, what `jax.grad` gives for it (local when it is passed
+  varying over the manual axes).
+
+  Each parameter is all-gathered at the equation that uses it, freed after,
+  all-gathered again for its backward equation, and its gradient is
+  reduce-scattered there: per call, 2 all-gathers and 1 reduce-scatter per use
+  of a sharded leaf (one leaf used once per layer: 2 and 1 per layer; XLA
+  drops the backward re-gather where nothing needs it, e.g. for a bias add or
+  for the first layer, whose input needs no cotangent).
+
+  `keep` (optional, a boolean scalar per device, e.g. `weight != 0`): where
+  False, this device adds exactly 0 to every sharded leaf's reduce-scattered
+  gradient, even if its loss or gradient is NaN (an all-padding microbatch).
+  Scaling the loss by a weight of 0 is not enough for that (0 x NaN is NaN),
+  and the reduce-scatter would spread the NaN to every device's block.
+  Replicated leaves' gradients are local: the caller masks those.
+
+  Args:
+    loss_fn: `loss_fn(params, *args)` for full-size `params` (any JAX code:
+      listed layers, `lax.scan` over stacked layers, flax modules' `apply`).
+      It may return a pytree (e.g. `(loss, aux)` with `has_aux=True`).
+    dims: one int or None per leaf of `shards` (`jax.tree.leaves` order, or a
+      pytree of the same structure with None leaves).
+    axis: the manual mesh axis the shards are split over.
+    size: the number of devices on `axis`.
+    comm_dtype: the dtype gradients go on the wire in (e.g. `jnp.bfloat16`;
+      the reduce-scatter sums in it), cast back to the parameter's dtype;
+      None: the parameter's own. Parameters are gathered in their own dtype.
+
+  Returns:
+    `f(shards, *args, keep=None)`, returning what `loss_fn` returns.
+  """
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn={loss_fn!r} must be callable")
+  if not isinstance(axis, str) or not axis:
+    raise ValueError(f"axis={axis!r} must be one manual mesh axis name (a string)")
+  if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+    raise ValueError(f"size={size!r} must be a positive int (the number of devices on axis {axis!r})")
+  if comm_dtype is not None:
+    comm_dtype = jnp.dtype(comm_dtype)
+    if not jnp.issubdtype(comm_dtype, jnp.floating):
+      raise ValueError(f"{comm_dtype=} must be a floating dtype (an integer wire dtype truncates)")
+
+  def f(shards, *args, keep=None):
+    ctx = _Ctx(axis, int(size), None if keep is None else jnp.asarray(keep, bool), comm_dtype)
+    leaves, treedef = jax.tree.flatten(shards)
+    flat_dims = _check_dims(dims, leaves)
+    full = []
+    for x, d in zip(leaves, flat_dims, strict=True):
+      aval = jax.typeof(x)
+      if d is not None:
+        shape = list(aval.shape)
+        shape[d] *= ctx.size
+        aval = aval.update(shape=tuple(shape))
+      full.append(aval)
+    closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(jax.tree.unflatten(treedef, full), *args)
+    vals = [x if d is None else _Lazy(x, d, ()) for x, d in zip(leaves, flat_dims, strict=True)]
+    outs = _eval(ctx, closed.jaxpr, closed.consts, vals + jax.tree.leaves(args))
+    outs = [_materialize(ctx, o) for o in outs]
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  return f
