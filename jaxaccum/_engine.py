@@ -121,7 +121,13 @@ def _local(cfg: Config, flat, params, state, batch, key):
   ws = weights(sp, cfg.weight_fn).astype(wdtype)
   total = _global_total(ws, cfg, axis)
   run, reductions, n_grads = _microbatch_fn(cfg, coll, params, state, key, ws, total)
-  sums = local_sums(run, sp, ws, reductions=reductions, skip=cfg.skip_empty)
+  skip: Any = cfg.skip_empty
+  if skip and coll is not None and plan.params_sharded and cfg.lean:
+    # The loop body gathers and reduce-scatters: every device must run the same microbatches
+    # (a device skipping a collective the others enter would hang them). Run slot i where any
+    # device has a real microbatch there; padding then adds exactly nothing.
+    skip = lax.psum((ws > 0).astype(jnp.int32), axis) > 0
+  sums = local_sums(run, sp, ws, reductions=reductions, skip=skip)
   grads = sums.accs[:n_grads]
   rest = sums._replace(accs=sums.accs[n_grads:], reds=sums.reds[n_grads:], like=sums.like[1:], single=None)
   if coll is None:
@@ -197,7 +203,7 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
   if cfg.has_state or cfg.has_aux:
     inner = (state_red, aux_red) if cfg.has_state and cfg.has_aux else state_red if cfg.has_state else aux_red
     value_red = ("mean", inner)
-  reductions = (["sum"] * n_grads, value_red) + (("concat",) if cfg.grad_norms else ())
+  reductions = (["add"] * n_grads, value_red) + (("concat",) if cfg.grad_norms else ())
   reductions += (("mean", "sum") if cfg.noise_scale else ()) + (("last",) if ran_flag else ())
   return run, reductions, n_grads
 

@@ -471,8 +471,12 @@ class Sums(NamedTuple):
 def local_sums(run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, skip=False, check_batch=True) -> Sums:
   """The microbatch loop: `run(microbatches, i)` for i < K in a `lax.scan`, combined per `reductions`.
 
-  `ws` holds the K weights (`weights`); with `skip` a microbatch of weight <= 0
-  (or NaN) is not run (`lax.cond`). Nothing is divided and nothing crosses
+  `ws` holds the K weights (`weights`); with `skip=True` a microbatch of weight
+  <= 0 (or NaN) is not run (`lax.cond`). `skip` may instead be a bool vector of
+  K, the microbatches to run (the same on every device when `run` holds
+  collectives: fsdp's per-microbatch gathers); a microbatch run with weight 0
+  then writes nothing to any reduction ("concat" rows stay 0, "last" keeps
+  the last microbatch of weight > 0). Nothing is divided and nothing crosses
   devices: `finish` (or make_train_step's reducer) does that.
   """
   first = sp.take(0)
@@ -484,26 +488,34 @@ def local_sums(run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, s
   _check_concat_rows(like, reds, sp.rows)
   ws = ws.astype(_wdtype(shapes, reds, accumulator_dtype))
   ok, wsum = jnp.all(_weight_ok(ws)), jnp.sum(ws)
-  if sp.k == 1 and not skip:
+  flatten = treedef.flatten_up_to  # type: ignore[attr-defined]  # jaxlib types PyTreeDef loosely
+  if sp.k == 1 and skip is False:
     out = run(first, 0)
     accs = [
       _update(_init(jax.typeof(o), r, 1, accumulator_dtype), o, ws[0], 0, r)
-      for o, r in zip(treedef.flatten_up_to(out), reds, strict=True)
-    ]  # type: ignore[attr-defined]
+      for o, r in zip(flatten(out), reds, strict=True)
+    ]
     return Sums(accs, wsum, ok, reds, like, out)
   acc0 = [_init(s, r, sp.k, accumulator_dtype) for s, r in zip(shapes, reds, strict=True)]
+  masked = skip is not False and skip is not True
 
   def body(accs, i):
     w = ws[i]
 
     def add(accs):
-      outs = treedef.flatten_up_to(run(sp.take(i), i))  # type: ignore[attr-defined]  # jaxlib types PyTreeDef loosely
-      return [_update(a, o, w, i, r) for a, o, r in zip(accs, outs, reds, strict=True)]
+      new = [_update(a, o, w, i, r) for a, o, r in zip(accs, flatten(run(sp.take(i), i)), reds, strict=True)]
+      if masked:  # run for another device's sake: this device's padding leaves every reduction as it was
+        new = [
+          jnp.where(w > 0, n, a) if r in ("concat", "last") else n for n, a, r in zip(new, accs, reds, strict=True)
+        ]
+      return new
 
     # The sums travel through the cond, so a skipped microbatch writes nothing: no
     # zeros-sized output to add, and "last" keeps the last microbatch that ran.
     # NaN > 0 is False: an invalid weight is not run either (ok records it).
-    return (parallel.cond(w > 0, add, lambda accs: accs, accs) if skip else add(accs)), None
+    if skip is False:
+      return add(accs), None
+    return parallel.cond(skip[i] if masked else w > 0, add, lambda accs: accs, accs), None
 
   accs, _ = lax.scan(body, acc0, jnp.arange(sp.k))
   return Sums(accs, wsum, ok, reds, like, None)
@@ -583,6 +595,7 @@ def pad_microbatches(microbatches, num_microbatches: int, *, num_devices: int = 
 
 
 REDUCTIONS = ("mean", "sum", "concat", "last")
+_ADD = "add"  # internal (not a user's reduction): every microbatch's output added as it is
 
 
 def _check_reductions(reductions) -> None:
@@ -622,7 +635,7 @@ def _leaf_reductions(reductions, outs) -> list[str]:
         '"last" (a flag, a counter, non-float state) or "concat" (per-example values); or '
         "return it as a float (e.g. count.astype(jnp.float32))"
       )
-    if r == "sum" and not (floating or (jnp.issubdtype(dtype, jnp.integer))):
+    if r in ("sum", _ADD) and not (floating or (jnp.issubdtype(dtype, jnp.integer))):
       raise TypeError(
         f'fun\'s output{path} has dtype {dtype}, which has no sum: use reductions "last" or "concat" '
         "for it, or cast it to an integer or float"
@@ -656,7 +669,7 @@ def _concat_shape(shape, k) -> tuple[int, ...]:
 
 
 def _init(s, r, k, override):
-  if r == "mean" or (r == "sum" and jnp.issubdtype(s.dtype, jnp.inexact)):
+  if r == "mean" or (r in ("sum", _ADD) and jnp.issubdtype(s.dtype, jnp.inexact)):
     return _zeros(s, _tree.accumulator_dtype(s.dtype, override))
   if r == "concat":
     return _zeros(s, s.dtype, _concat_shape(s.shape, k))
@@ -667,6 +680,8 @@ def _update(acc, o, w, i, r):
   """The carry after microbatch i of weight w contributed output o."""
   if r == "mean":
     return acc + _weighted(o, w, acc.dtype)
+  if r == _ADD:  # make_train_step's gradient shares: weighted already, and after fsdp's reduce-scatter
+    return acc + o.astype(acc.dtype)  # they hold the other devices' terms too, whatever the local weight
   if r == "sum":  # unweighted, but a weight-0 microbatch (padding) adds nothing
     return acc + jnp.where(w == 0, jnp.zeros((), acc.dtype), o.astype(acc.dtype))
   if r == "concat":
@@ -726,7 +741,7 @@ def _weighted(out, w, dtype):
 def _wdtype(leaves, reds, override) -> jnp.dtype:
   """The dtype weights are summed in: the widest accumulator of the averaged leaves (float32 at least)."""
   return _tree.widest(
-    _tree.accumulator_dtype(o.dtype, override) for o, r in zip(leaves, reds, strict=True) if r in ("mean", "sum")
+    _tree.accumulator_dtype(o.dtype, override) for o, r in zip(leaves, reds, strict=True) if r in ("mean", "sum", _ADD)
   )
 
 
@@ -767,7 +782,7 @@ def finish(sums: Sums, axis_name, *, total=None, extra=None):
   """
   like_leaves, treedef = jax.tree.flatten(sums.like)
   reds, wsum, ok = sums.reds, sums.wsum, sums.ok
-  reduced = [i for i, r in enumerate(reds) if r in ("mean", "sum")]
+  reduced = [i for i, r in enumerate(reds) if r in ("mean", "sum", _ADD)]
   accs = list(sums.accs)
   if axis_name is not None:
     parallel.check_varying([accs[i] for i in reduced], axis_name, arg="outputs")
