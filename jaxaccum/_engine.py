@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec
 
 from jaxaccum import _tree, parallel, sharded
 from jaxaccum import noise as _noise
+from jaxaccum._layerwise import layerwise
 from jaxaccum.microbatch import (
   _leaf_reductions,
   _weight_ok,
@@ -163,17 +164,31 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
   if cfg.has_state and state_red is None:
     state_red = jax.tree.map(lambda x: "mean" if jnp.issubdtype(x.dtype, jnp.inexact) else "last", state)
 
+  lean = coll is not None and cfg.plan.params_sharded and cfg.lean
+  # Layer by layer (`_layerwise`): each parameter gathered where the loss uses it and its gradient
+  # reduce-scattered as soon as it exists. grad_norms and noise_scale measure each device's whole
+  # microbatch gradient, which that never holds: with them the tree is gathered whole per microbatch.
+  lw = None
+  if lean and not (cfg.grad_norms or cfg.noise_scale):
+    dims = [lay.dim if j in coll.sharded else None for j, lay in enumerate(coll.flat)]
+    lw = layerwise(cfg.loss_fn, dims, coll.axis, coll.size, comm_dtype=cfg.comm_dtype)
+
   def run(mbs, i):
-    p = params
-    if coll is not None and cfg.plan.params_sharded and cfg.lean:
-      # Tie the shards to the loop index, so that XLA cannot hoist the gather out of
-      # the loop (it would, as loop-invariant code) and keep a full copy across it.
-      p, _ = lax.optimization_barrier((p, i))
-      p = jax.tree.map(lambda x: sharded._vary(x, axes), coll.gather(p))
-    args = (
-      (p,) + ((state,) if cfg.has_state else ()) + (mbs[0],) + (() if key is None else (jax.random.fold_in(key, i),))
-    )
-    value, g = _value_and_grad(grad_fn, cfg, args)
+    rest = ((state,) if cfg.has_state else ()) + (mbs[0],) + (() if key is None else (jax.random.fold_in(key, i),))
+    share = ws[i] / total
+    if lw is not None:
+      value, leaves = _layerwise_grads(lw, cfg, coll, params, rest, ws[i], share)
+    else:
+      p = params
+      if lean:
+        # Tie the shards to the loop index, so that XLA cannot hoist the gather out of
+        # the loop (it would, as loop-invariant code) and keep a full copy across it.
+        p, _ = lax.optimization_barrier((p, i))
+        p = jax.tree.map(lambda x: sharded._vary(x, axes), coll.gather(p))
+      value, g = _value_and_grad(grad_fn, cfg, (p, *rest))
+      leaves = [_weighted(x, share, _tree.accumulator_dtype(x.dtype)) for x in jax.tree.leaves(g)]
+      if lean:
+        leaves = coll.scatter(leaves)  # each microbatch's share, reduce-scattered as soon as it exists
     if cfg.has_state:  # checked here, before the state's reductions are matched against it
       new_state = value[1][0] if cfg.has_aux else value[1]
       _tree.check_same_structure(new_state, state, "the state loss_fn returned", "the state passed to the step")
@@ -182,10 +197,6 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
       check_prefix(cfg.aux_reductions, aux, "aux_reductions")
     if cfg.has_state:
       check_prefix(cfg.state_reductions, new_state, "state_reductions")
-    share = ws[i] / total
-    leaves = [_weighted(x, share, _tree.accumulator_dtype(x.dtype)) for x in jax.tree.leaves(g)]
-    if coll is not None and cfg.plan.params_sharded and cfg.lean:
-      leaves = coll.scatter(leaves)  # each microbatch's share, reduce-scattered as soon as it exists
     out = (leaves, value)
     if cfg.grad_norms:
       out = (*out, optax.tree.norm(g))
@@ -208,17 +219,41 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
   return run, reductions, n_grads
 
 
+def _layerwise_grads(lw, cfg: Config, coll, params, rest, w, share):
+  """(value, [gradient shares]) with the parameters gathered where used: sharded leaves come back as blocks."""
+  has_aux = cfg.has_aux or cfg.has_state
+  keep = jnp.isfinite(w) & (w != 0)  # padding (weight 0, maybe NaN) adds exactly nothing to any block
+
+  def scaled(p):
+    out = lw(p, *rest, keep=keep)
+    loss = out[0] if has_aux else out
+    if not has_aux and (isinstance(out, (tuple, list, dict)) or jnp.ndim(out) != 0):
+      raise _not_scalar(f"it returned {jax.tree.structure(out)}")
+    return share.astype(loss.dtype) * loss, out
+
+  (_, value), g = jax.value_and_grad(scaled, has_aux=True)(params)
+  leaves = []
+  for j, x in enumerate(jax.tree.leaves(g)):
+    x = x.astype(_tree.accumulator_dtype(x.dtype))
+    leaves.append(x if j in coll.sharded else jnp.where(keep, x, jnp.zeros((), x.dtype)))
+  return value, leaves
+
+
 def _value_and_grad(grad_fn, cfg: Config, args):
   try:
     return grad_fn(*args)
   except TypeError as e:
     if "scalar-output" not in str(e) or cfg.has_aux or cfg.has_state:
       raise
-    raise TypeError(
-      f"loss_fn returned more than a scalar loss ({e}). If it returns (loss, aux), pass "
-      "make_train_step(..., has_aux=True); if it returns (loss, new_model_state), has_state=True "
-      "(loss_fn(params, state, batch))."
-    ) from None
+    raise _not_scalar(str(e)) from None
+
+
+def _not_scalar(detail: str) -> TypeError:
+  return TypeError(
+    f"loss_fn returned more than a scalar loss ({detail}). If it returns (loss, aux), pass "
+    "make_train_step(..., has_aux=True); if it returns (loss, new_model_state), has_state=True "
+    "(loss_fn(params, state, batch))."
+  )
 
 
 def _outputs(cfg: Config, out, state, axis, total) -> dict:
