@@ -163,6 +163,7 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
   state_red = cfg.state_reductions
   if cfg.has_state and state_red is None:
     state_red = jax.tree.map(lambda x: "mean" if jnp.issubdtype(x.dtype, jnp.inexact) else "last", state)
+  aux_red = "mean" if cfg.aux_reductions is None else cfg.aux_reductions
 
   lean = coll is not None and cfg.plan.params_sharded and cfg.lean
   # Layer by layer (`_layerwise`): each parameter gathered where the loss uses it and its gradient
@@ -195,8 +196,10 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
     if cfg.has_aux:
       aux = value[1][1] if cfg.has_state else value[1]
       check_prefix(cfg.aux_reductions, aux, "aux_reductions")
+      _leaf_reductions(aux_red, aux, "aux", "aux_reductions=")  # dtypes, named as the user wrote them
     if cfg.has_state:
       check_prefix(cfg.state_reductions, new_state, "state_reductions")
+      _leaf_reductions(state_red, new_state, "the state loss_fn returned", "state_reductions=")
     out = (leaves, value)
     if cfg.grad_norms:
       out = (*out, optax.tree.norm(g))
@@ -209,7 +212,6 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
     # a loss or aux that is the same on every device (a constant) is then fine too.
     return parallel.to_varying(out, axes) if axes else out
 
-  aux_red = "mean" if cfg.aux_reductions is None else cfg.aux_reductions
   value_red: Any = "mean"
   if cfg.has_state or cfg.has_aux:
     inner = (state_red, aux_red) if cfg.has_state and cfg.has_aux else state_red if cfg.has_state else aux_red

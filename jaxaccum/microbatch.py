@@ -610,8 +610,12 @@ def _check_reductions(reductions) -> None:
       )
 
 
-def _leaf_reductions(reductions, outs) -> list[str]:
-  """The reduction of each leaf of `outs`, `reductions` being a tree prefix of `outs`; checks dtypes."""
+def _leaf_reductions(reductions, outs, name: str = "fun's output", arg: str = "reductions=") -> list[str]:
+  """The reduction of each leaf of `outs`, `reductions` being a tree prefix of `outs`; checks dtypes.
+
+  `name` and `arg`: how errors name the outputs and the argument to change (make_train_step: "aux",
+  "aux_reductions=").
+  """
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(outs)]
   leaves = jax.tree.leaves(outs)
   if reductions is None:
@@ -629,15 +633,15 @@ def _leaf_reductions(reductions, outs) -> list[str]:
     floating = jnp.issubdtype(dtype, jnp.inexact)
     if r == "mean" and not floating:
       raise TypeError(
-        f'fun\'s output{path} has dtype {dtype}: its weighted mean (the default reduction, "mean") '
-        "would be truncated. Name another reduction for it in reductions= (make_train_step: aux_reductions= "
-        'or state_reductions=): "sum" (a count), '
+        f'{name}{path} has dtype {dtype}: its weighted mean (the default reduction, "mean") '
+        f"would be truncated. Name another reduction for it in {arg}: "
+        '"sum" (a count), '
         '"last" (a flag, a counter, non-float state) or "concat" (per-example values); or '
         "return it as a float (e.g. count.astype(jnp.float32))"
       )
     if r in ("sum", _ADD) and not (floating or (jnp.issubdtype(dtype, jnp.integer))):
       raise TypeError(
-        f'fun\'s output{path} has dtype {dtype}, which has no sum: use reductions "last" or "concat" '
+        f'{name}{path} has dtype {dtype}, which has no sum: use reductions "last" or "concat" '
         "for it, or cast it to an integer or float"
       )
   return reds

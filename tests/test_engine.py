@@ -192,3 +192,201 @@ def test_every_option_under_every_strategy(option, strategy):
   if option == "noise_scale":
     ns = metrics["noise_scale"]
     np.testing.assert_allclose((ns.grad_sq, ns.trace_cov), want["noise_scale"], rtol=1e-10)
+
+
+# --------------------------------------------------------------------------- layouts, dtypes and errors (issue 18)
+
+
+def _names(spec) -> set:
+  return {n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))}
+
+
+def _mesh(kind, shape=(8,), names=("data",)):
+  return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "hsdp"])
+def test_model_sharding_kept_by_every_strategy(strategy, kind):
+  """A tensor-parallel leaf placed P(None, "model") comes back with it (and stays exact), Auto and Explicit."""
+  if strategy == "hsdp":
+    mesh, axis = _mesh(kind, (2, 2, 2), ("rep", "shard", "model")), ("rep", "shard")
+  else:
+    mesh, axis = _mesh(kind, (4, 2), ("data", "model")), "data"
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  placed = [dict(layer) for layer in params]
+  placed[0]["w"] = jax.device_put(params[0]["w"], jax.sharding.NamedSharding(mesh, jax.P(None, "model")))
+  opt = optax.adam(1e-2)
+  p, s = ja.shard_train_state(placed, opt, mesh, strategy=strategy, data_axis=axis)
+  _, _, _, batch, _, _ = setup("weights", "none")
+  step = ja.make_train_step(masked_loss, opt, num_microbatches=K, mesh=mesh, data_axis=axis, strategy=strategy)
+  new_p, new_s, _ = step(p, s, ja.shard_batch(batch, mesh, axis))
+  assert "model" in _names(new_p[0]["w"].sharding.spec)
+  assert "model" in _names(new_s[0].mu[0]["w"].sharding.spec)
+  want = reference("plain", params, batch, None, None, 4)  # 4 devices over the data axes
+  chex.assert_trees_all_close(jax.device_get(new_p), want["params"], rtol=RTOL, atol=1e-15)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_layouts_kept_inside_an_outer_jit_and_a_replicated_state_is_placed(strategy):
+  """Called inside the user's jax.jit (no concrete shardings), the state comes back sharded; P() in, sharded out."""
+  mesh = _mesh(AxisType.Auto)
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  opt = optax.adam(1e-2)
+  p, s = ja.shard_train_state(params, opt, mesh, strategy=strategy)
+  _, _, _, batch, _, _ = setup("weights", "none")
+  step = ja.make_train_step(masked_loss, opt, num_microbatches=K, mesh=mesh, strategy=strategy, donate=False)
+  b = ja.shard_batch(batch, mesh)
+  outer = jax.jit(lambda p, s, b: step(p, s, b))
+  new_p, new_s, _ = outer(p, s, b)
+  assert new_s[0].mu[0]["w"].sharding.spec == s[0].mu[0]["w"].sharding.spec != jax.P()
+  chex.assert_trees_all_close(
+    jax.device_get(new_p), reference("plain", params, batch, None, None, 8)["params"], rtol=RTOL
+  )
+  if strategy == "zero1":  # a replicated optimizer state (placed by hand) comes back in zero1's layout
+    _, s2, _ = step(p, ja.replicate(opt.init(params), mesh), b)
+    assert s2[0].mu[0]["w"].sharding.spec == s[0].mu[0]["w"].sharding.spec
+
+
+@pytest.mark.parametrize("strategy", ["none", "ddp", "zero1", "fsdp"])
+def test_bf16_params_keep_bf16_state_and_compile_once(strategy):
+  mesh = None if strategy == "none" else _mesh(AxisType.Auto)
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), mlp_init(jax.random.PRNGKey(0), SIZES))
+  opt = optax.adam(1e-2, mu_dtype=jnp.bfloat16)
+  _, _, _, batch, _, _ = setup("weights", "none")
+  batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16), batch)
+  kw = {} if mesh is None else {"mesh": mesh, "strategy": strategy}
+  step = ja.make_train_step(masked_loss, opt, num_microbatches=K, **kw)
+  if mesh is None:
+    p, s, b = params, opt.init(params), batch
+  else:
+    p, s = ja.shard_train_state(params, opt, mesh, strategy=strategy)
+    b = ja.shard_batch(batch, mesh)
+  dtypes = jax.tree.map(lambda x: x.dtype, s)
+  for _ in range(2):
+    p, s, metrics = step(p, s, b)
+  assert bool(metrics["applied"])
+  assert jax.tree.map(lambda x: x.dtype, s) == dtypes and s[0].mu[0]["w"].dtype == jnp.bfloat16
+  assert p[0]["w"].dtype == jnp.bfloat16
+  assert step._cache_size() == 1  # no retrace on the second call
+
+
+@pytest.mark.parametrize("strategy", ["none", "ddp", "zero1", "fsdp_once", "hsdp"])
+def test_the_same_errors_under_every_strategy(strategy):
+  kwargs, mesh, axis, batch, _, _ = setup("weights", strategy)
+  opt = optax.adam(1e-2)
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  if mesh is None:
+    p, s, place = params, opt.init(params), lambda b: b
+  else:
+    p, s = ja.shard_train_state(params, opt, mesh, strategy=kwargs["strategy"], data_axis=axis)
+    place = lambda b: ja.shard_batch(b, mesh, axis)
+  step = lambda loss, **kw: ja.make_train_step(loss, opt, mesh=mesh, data_axis=axis, **{**kwargs, **kw})
+  ragged = dict(batch, mask=jnp.ones(ROWS * 2))
+  with pytest.raises(ValueError, match=rf"batch\['mask'\] has {2 * ROWS} rows, batch\['x'\] has {ROWS} rows"):
+    step(masked_loss)(p, s, ragged)
+  with pytest.raises(TypeError, match=r"loss_fn must take the batch as its second argument"):
+    step(lambda params: masked_loss(params, batch))
+  with pytest.raises(ValueError, match=r"empty.*0 rows"):
+    step(masked_loss)(p, s, jax.tree.map(lambda x: x[:0], batch))
+  with pytest.raises(TypeError, match=r"comm_dtype='bogus' is not a dtype"):
+    step(masked_loss, comm_dtype="bogus")
+  with pytest.raises(TypeError, match=r"has_aux=True"):
+    step(lambda p, b: (masked_loss(p, b), 1.0))(p, s, place(batch))
+  with pytest.raises(TypeError, match=r"aux\['n'\] has dtype int.*aux_reductions=.*\"sum\" \(a count\)"):
+    step(lambda p, b: (masked_loss(p, b), {"n": jnp.sum(b["mask"] > 0)}), has_aux=True)(p, s, place(batch))
+  with pytest.raises(ValueError, match=r"aux_reductions=\{'count': 'sum'\} does not match.*'count'.*\['n'\]"):
+    aux = lambda p, b: (masked_loss(p, b), {"n": jnp.sum(b["x"])})
+    step(aux, has_aux=True, aux_reductions={"count": "sum"})(p, s, place(batch))
+  with pytest.raises(ValueError, match=r"opt_state does not match optimizer="):
+    step(masked_loss)(p, optax.sgd(0.1).init(params), place(batch))
+  if mesh is not None:
+    other = (
+      _mesh(AxisType.Auto, (4, 2), ("data", "x"))
+      if strategy != "hsdp"
+      else _mesh(AxisType.Auto, (2, 4), ("rep", "shard"))
+    )
+    elsewhere = jax.device_put(params, jax.sharding.NamedSharding(other, jax.P()))
+    with pytest.raises(ValueError, match=r"placed on another mesh.*ja.shard_train_state"):
+      step(masked_loss)(elsewhere, s, place(batch))
+
+
+def test_hsdp_batch_sharded_over_one_axis_is_resharded():
+  """A batch placed over the replica axis only (not both data axes) is laid out by the step."""
+  kwargs, mesh, axis, batch, _, _ = setup("weights", "hsdp")
+  opt = optax.adam(1e-2)
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  p, s = ja.shard_train_state(params, opt, mesh, strategy="hsdp", data_axis=axis)
+  step = ja.make_train_step(masked_loss, opt, mesh=mesh, data_axis=axis, **kwargs)
+  new_p, _, _ = step(p, s, jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.P("rep"))))
+  chex.assert_trees_all_close(
+    jax.device_get(new_p), reference("weights", params, batch, None, None, 8)["params"], rtol=RTOL
+  )
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+def test_float16_wire_with_token_weights_applies(strategy):
+  """512-row microbatches weighted by their rows: sum w g overflows float16; the normalised wire does not."""
+  mesh = _mesh(AxisType.Auto)
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  x, y = regression_data(jax.random.PRNGKey(1), 8 * 2 * 512)
+  batch = {"x": x, "y": 30.0 * y, "mask": jnp.ones(x.shape[0])}  # large errors: gradients of tens
+  opt = optax.sgd(1e-3)
+  p, s = ja.shard_train_state(params, opt, mesh, strategy=strategy)
+  step = ja.make_train_step(
+    masked_loss,
+    opt,
+    num_microbatches=2,
+    mesh=mesh,
+    strategy=strategy,
+    weight_fn=lambda b: jnp.sum(b["mask"]),
+    comm_dtype=jnp.float16,
+  )
+  new_p, _, metrics = step(p, s, ja.shard_batch(batch, mesh))
+  assert bool(metrics["applied"])
+  want = jax.tree.map(lambda a, g: a - 1e-3 * g, params, jax.grad(masked_loss)(params, batch))
+  grads = jax.grad(masked_loss)(params, batch)
+  assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) > 10  # 512 x that overflows float16
+  # Within float16 rounding of the float64 step: |error in g| <= 2^-10 |g| per device's share summed.
+  for got, w, g in zip(
+    jax.tree.leaves(jax.device_get(new_p)), jax.tree.leaves(want), jax.tree.leaves(grads), strict=True
+  ):
+    np.testing.assert_allclose(got, w, atol=1e-3 * 8 * 2**-10 * float(jnp.max(jnp.abs(g))) + 1e-12)
+
+
+@pytest.mark.parametrize(
+  "name, opt",
+  [
+    ("masked", optax.masked(optax.adam(1e-2), lambda p: [{"w": True, "b": False} for _ in p])),
+    (
+      "set_to_zero",
+      optax.multi_transform(
+        {"a": optax.adam(1e-2), "z": optax.set_to_zero()}, lambda p: [{"w": "a", "b": "z"} for _ in p]
+      ),
+    ),
+    (
+      "chain_clip_masked",
+      optax.chain(
+        optax.clip_by_global_norm(1.0), optax.masked(optax.adamw(1e-2), lambda p: [{"w": True, "b": False} for _ in p])
+      ),
+    ),
+    ("adafactor", optax.adafactor(1e-2, min_dim_size_to_factor=4)),
+    ("inject", optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)),
+    ("muon", optax.contrib.muon(1e-2)),
+  ],
+)
+def test_shard_train_state_places_any_optax_state(name, opt):
+  """Masked, set_to_zero, chained, factored, muon and injected states are placed and the zero1/fsdp steps exact."""
+  mesh = _mesh(AxisType.Auto)
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  _, _, _, batch, _, _ = setup("weights", "none")
+  updates, _ = opt.update(jax.grad(masked_loss)(params, batch), opt.init(params), params)
+  want = optax.apply_updates(params, updates)
+  for strategy in ("zero1", "fsdp"):
+    p, s = ja.shard_train_state(params, opt, mesh, strategy=strategy)
+    chex.assert_trees_all_equal_structs(s, opt.init(params))
+    step = ja.make_train_step(
+      masked_loss, opt, num_microbatches=K, mesh=mesh, strategy=strategy, weight_fn=lambda b: jnp.sum(b["mask"])
+    )
+    new_p, _, _ = step(p, s, ja.shard_batch(batch, mesh))
+    chex.assert_trees_all_close(jax.device_get(new_p), want, rtol=1e-10, atol=1e-12)
