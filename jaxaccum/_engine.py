@@ -200,7 +200,7 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
     if cfg.has_state:
       check_prefix(cfg.state_reductions, new_state, "state_reductions")
       _leaf_reductions(state_red, new_state, "the state loss_fn returned", "state_reductions=")
-    out = (leaves, value)
+    out: tuple = (leaves, value)
     if cfg.grad_norms:
       out = (*out, optax.tree.norm(g))
     if cfg.noise_scale:  # |g_i|^2 (a weighted mean: S1) and 1 (a sum over microbatches of weight > 0: K)

@@ -12,10 +12,14 @@ Strategies (P devices on the data axis, N parameters, K microbatches per step):
   ring, the bytes of one all-reduce, with optimizer memory / P.
 - `"fsdp"`: parameters and optimizer state sharded over the data axis.
   `fsdp_gather="per_microbatch"` (memory-lean, the PyTorch FSDP2 default):
-  every microbatch all-gathers the parameters, computes, and reduce-scatters
-  its weighted gradient into a sharded accumulator: K all-gathers and K
-  reduce-scatters per step, and a device never holds more than one gathered
-  copy of the parameters plus a 1/P accumulator. `fsdp_gather="once"`
+  layer by layer (`jaxaccum._layerwise`): in every microbatch each parameter
+  is all-gathered where the loss uses it, freed, all-gathered again for its
+  backward equation, and its gradient reduce-scattered into the 1/P
+  accumulator as soon as it exists: per layer K forward gathers, up to K
+  backward re-gathers and K reduce-scatters per step, and a device holds at
+  most one gathered layer (or its gradient) beside its shards. With
+  `grad_norms` or `noise_scale` the whole tree is gathered per microbatch
+  (they measure each device's whole gradient). `fsdp_gather="once"`
   (comm-lean): one all-gather per step, a local full-size accumulator, one
   reduce-scatter after the loop: 1 + 1 collectives instead of K + K, at the
   cost of one full parameter copy and one full (float32 or wider) accumulator
@@ -24,18 +28,16 @@ Strategies (P devices on the data axis, N parameters, K microbatches per step):
   `shard_axis`, replicated over `replica_axis`; the cross-replica all-reduce of
   the (sharded) gradient runs once per step whatever K.
 
-How the step is built. The gradient part runs under a `jax.shard_map` that is
-manual over the data axes only (other mesh axes, e.g. "model", stay with the
-partitioner and keep the shardings the user gave the parameters): local
-accumulation of sum_i w_i g_i in float32 or wider, the explicit collectives
-above (`comm_dtype` on the wire), and one all-reduce of the scalar weight and
-loss sums. The optimizer then runs *outside* the shard_map, under `jit`, on the
-globally shaped gradient, optimizer state and parameter slice, all sharded over
-the data axis: an elementwise optimizer touches only local data, and one whose
-update needs a global quantity (lamb's trust ratio, `clip_by_global_norm`)
-gets it from scalar all-reduces the partitioner inserts, so the update equals
-the replicated one without special cases. For zero1 a second shard_map
-all-gathers the new parameter shards.
+How the step is built: `jaxaccum._engine` (the one engine of
+`ja.make_train_step`) takes the plan and the layouts from here, and the
+packed collectives below. The gradient part runs under a `jax.shard_map` that
+is manual over the data axes only (other mesh axes, e.g. "model", stay with
+the partitioner and keep the shardings the user gave the parameters); the
+optimizer then runs outside it, under `jit`, on the globally shaped gradient,
+optimizer state and parameter slice, all laid out per the plan: an
+elementwise optimizer touches only local data, and one whose update needs a
+global quantity (lamb's trust ratio, `clip_by_global_norm`) gets it from
+scalar all-reduces the partitioner inserts.
 
 Collectives are packed: the leaves sharded over the data axis only are laid
 out in one flat buffer per dtype, so a step has one reduce-scatter and one
@@ -208,7 +210,7 @@ def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool, given: Any =
     given = given_spec(x, mesh)
   if given == "other mesh":
     raise ValueError(
-      f"{where} is placed on another mesh ({_sharding_of(x).mesh}) than mesh={mesh}: re-place the parameters "  # type: ignore[union-attr]
+      f"{where} is placed on another mesh ({_sharding_of(x).mesh}) than mesh={mesh}: re-place the parameters "
       "and optimizer state on this mesh with ja.shard_train_state(params, optimizer, mesh, strategy=...) "
       "(or jax.device_put(tree, NamedSharding(mesh, PartitionSpec())) for replicated ones)"
     )

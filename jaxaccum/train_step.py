@@ -1,14 +1,18 @@
-"""make_train_step(): microbatched, data-parallel training step with one all-reduce per update.
+"""make_train_step(): one microbatched, data-parallel training step for every strategy and option.
 
 Plain `jax.jit` over a batch sharded on a data axis, with a `lax.scan` over
 microbatches inside, lets XLA's partitioner all-reduce the gradient inside the
-loop: K all-reduces per update. Here the step body runs under `jax.shard_map`:
-each device accumulates the weighted sum of its microbatches' gradients
+loop: K all-reduces per update. Here every strategy (none, ddp, zero1, fsdp,
+hsdp) runs one engine (`jaxaccum._engine`): inside a `jax.shard_map` manual
+over the data axes, each device accumulates its microbatches' gradients
 locally (parameters cast to varying with `lax.pcast`, so autodiff does not sum
-over devices behind our back), then one all-reduce of (sum w g, sum w) after
-the loop gives the global weighted mean, and the optimizer update runs
-replicated on every device. The compiled HLO holds one gradient all-reduce per
-step whatever K (tests/test_train_step.py counts it).
+over devices behind our back), already normalised by the global total weight
+(a scalar reduced before the loop), and after the loop one reduction per step
+(an all-reduce, a reduce-scatter, or fsdp's reduce-scatter per layer as each
+gradient appears) gives the global weighted mean; the optimizer then runs on
+the global arrays in the strategy's layout. This module holds the argument
+checks and the `TrainStep` wrapper; tests/test_engine.py holds every option
+under every strategy against a plain reference.
 
 BatchNorm. A Flax `BatchNorm` in training mode normalizes each microbatch with
 that microbatch's own statistics ("ghost batch norm" with ghost size
@@ -143,7 +147,7 @@ def _check_opt_state(optimizer, params, opt_state) -> None:
     want = jax.eval_shape(optimizer.init, params)
   except Exception:  # an init that cannot run abstractly: the step will say what is wrong
     return
-  if jax.tree.structure(want) != jax.tree.structure(opt_state):
+  if jax.tree.structure(want) != jax.tree.structure(opt_state):  # type: ignore[operator]  # jaxlib types PyTreeDef loosely
     raise ValueError(
       f"opt_state does not match optimizer={optimizer!r}: it has structure {_tree.describe(opt_state)}, "
       f"optimizer.init(params) gives {_tree.describe(want)}. Create it with optimizer.init(params) "
@@ -255,15 +259,24 @@ def make_train_step(
       one gradient all-reduce per step), "zero1" (optimizer state sharded; one
       reduce-scatter and one all-gather), "fsdp" (parameters and state
       sharded), "hsdp" (`data_axis=(replica_axis, shard_axis)`: fsdp within a
-      group, one cross-replica all-reduce per step). Strategies other than
-      "ddp" need a `mesh` and do not take `has_state`, `aux_reductions` or
-      `grad_norms`.
+      group, one cross-replica all-reduce per step). Every option works
+      under every strategy; strategies need a `mesh` (so does `comm_dtype`:
+      without one there is no wire). A user's sharding of the parameters
+      over other mesh axes (e.g. "model") is kept.
     comm_dtype: dtype of the gradient on the wire (e.g. `jnp.bfloat16`);
-      accumulation stays in float32 or wider.
+      accumulation stays in float32 or wider. What crosses the wire is each
+      device's share of the mean gradient (sum w g / sum w, the total weight
+      reduced first), so a float16 wire does not overflow on token-count
+      weights.
     fsdp_gather: "fsdp"/"hsdp" only: "per_microbatch" (memory-lean, the
-      default) or "once" (comm-lean: one parameter all-gather per step instead
-      of K, at the cost of one full parameter copy and one full accumulator per
-      device). Given with another strategy it is a ValueError.
+      default: each parameter is gathered where the loss uses it, re-gathered
+      for the backward pass and its gradient reduce-scattered as soon as it
+      exists, so a device never holds the whole model; with `grad_norms` or
+      `noise_scale`, which measure each device's whole microbatch gradient,
+      the tree is gathered whole per microbatch) or "once" (comm-lean: one
+      parameter all-gather per step instead of K, at the cost of one full
+      parameter copy and one full accumulator per device). Given with another
+      strategy it is a ValueError (there is nothing to gather).
     noise_scale: also return `metrics["noise_scale"]`, a `ja.NoiseScale` of
       this step's unbiased estimates of |G|^2 and tr(Sigma) (and their ratio
       B_simple) from its P K microbatches (see `jaxaccum.noise`; NaN when
@@ -275,7 +288,9 @@ def make_train_step(
       `ema = ja.noise_scale_smooth(ema, metrics["noise_scale"], decay)`
       (start from `ema = None`) and read `ja.noise_scale(ema)`.
     skip_empty: skip microbatches of weight 0 (see above); needs
-      `weight_fn`; "ddp" only.
+      `weight_fn`. Under fsdp's per-microbatch gather (collectives in the
+      loop body) a slot is skipped only where every device's microbatch is
+      empty.
 
   Returns:
     A `jax.jit`-wrapped step (`.lower(...)` works). `metrics` holds
