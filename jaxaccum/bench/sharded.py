@@ -5,7 +5,10 @@ Everything here is read from compiled HLO and from `addressable_shards`; no
 timing, so the numbers are the same on any machine. Beside the strategies, the
 pattern users write today: `jax.jit` over parameters sharded on the data axis
 (FSDP-style) with a `lax.scan` over microbatches, where the partitioner puts
-the gradient reductions inside the loop.
+the gradient reductions inside the loop. And (data, model) meshes whose
+'model' axis shards every parameter leaf (`model_axis_table`): the data-axis
+bytes per update against the ideal where each leaf's collective moves only its
+model shard.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def sharded_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=1
       batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(axes)))
       step = ja.make_train_step(_loss, opt, strategy=strategy, mesh=mesh, data_axis=axes, num_microbatches=k, **options)
       compiled = step.lower(p, s, batch).compile()
-      counts, _, ring = _per_update(compiled, k)
+      counts, in_loop, ring = _per_update(compiled, k)
       mem = compiled.memory_analysis()
       name = strategy + (f" ({options['fsdp_gather']})" if strategy == "fsdp" else "")
       out.append(
@@ -91,11 +94,107 @@ def sharded_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=1
           "state_bytes": _device_bytes(s, dev),
           "temp_bytes": getattr(mem, "temp_size_in_bytes", None),
           "collectives": counts,
+          "in_loop": in_loop,
           "ring_bytes": ring,
         }
       )
   total = sum(x.nbytes for x in jax.tree.leaves(params))
   return total, out
+
+
+def _tp_params(width, hidden, key, mesh):
+  """A Megatron-style MLP block whose every leaf the 'model' axis shards: column- then row-parallel."""
+  k1, k2 = jax.random.split(key)
+  params = {
+    "w1": jax.random.normal(k1, (width, hidden), jnp.float32) / np.sqrt(width),
+    "b1": jnp.zeros((hidden,), jnp.float32),
+    "w2": jax.random.normal(k2, (hidden, width), jnp.float32) / np.sqrt(hidden),
+  }
+  specs = {"w1": PartitionSpec(None, "model"), "b1": PartitionSpec("model"), "w2": PartitionSpec("model", None)}
+  return {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in params.items()}
+
+
+def _tp_loss(params, batch):
+  x, y = batch
+  h = jnp.tanh(x @ params["w1"] + params["b1"])
+  # The row-parallel product sums over 'model'; on Explicit axes the output's sharding must be said.
+  explicit = any(t == AxisType.Explicit for t in jax.sharding.get_abstract_mesh().axis_types)
+  out = jnp.matmul(h, params["w2"], out_sharding=PartitionSpec()) if explicit else h @ params["w2"]
+  return jnp.mean((out - y) ** 2)
+
+
+def model_axis_table(width=64, hidden=512, k=2, rows_per_device=16, axis_type=AxisType.Auto):
+  """Data-axis bytes per update on (data, model) meshes, every parameter leaf sharded over 'model' too.
+
+  Each leaf's data-axis collective should move only its model shard: the
+  ideal per device is 2 (P-1)/P x N / model_size for one reduce-scatter and one
+  all-gather (zero1, fsdp once; x K for fsdp's per-microbatch gathers), and for
+  hsdp the same over its shard axis plus the replica all-reduce of each block,
+  2 (R-1)/R x N / (model_size S). Collectives are told apart by their replica
+  groups (`_hlo.mesh_groups`).
+  """
+  devices = jax.devices()[:8]
+  two = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2, devices=devices)
+  three = jax.make_mesh((2, 2, 2), ("rep", "shard", "model"), axis_types=(axis_type,) * 3, devices=devices)
+  cases: list[tuple[str, Any, Any, dict[str, Any]]] = [
+    ("ddp", two, "data", {}),
+    ("zero1", two, "data", {}),
+    ("fsdp", two, "data", {"fsdp_gather": "once"}),
+    ("fsdp", two, "data", {"fsdp_gather": "per_microbatch"}),
+    ("hsdp", three, ("rep", "shard"), {"fsdp_gather": "once"}),
+  ]
+  opt = optax.adam(1e-3)
+  out = []
+  for strategy, mesh, axes, options in cases:
+    names = tuple(mesh.axis_names)
+    params = _tp_params(width, hidden, jax.random.PRNGKey(0), mesh)
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    per_model = total / mesh.shape["model"]
+    p, s = sharded.shard_train_state(params, opt, mesh, strategy=strategy, data_axis=axes)
+    rows = 8 * k * rows_per_device
+    batch = (jnp.ones((rows, width), jnp.float32), jnp.zeros((rows, width), jnp.float32))
+    batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec(axes)))
+    step = ja.make_train_step(
+      _tp_loss, opt, strategy=strategy, mesh=mesh, data_axis=axes, num_microbatches=k, **options
+    )
+    found = _hlo.collectives(step.lower(p, s, batch).compile().as_text() or "", num_devices=8)
+    data_axes = (axes,) if isinstance(axes, str) else axes
+    groups = {a: _hlo.mesh_groups(mesh.devices.shape, names, a) for a in data_axes}
+    groups["all data"] = _hlo.mesh_groups(mesh.devices.shape, names, data_axes)
+    by_axis: dict[str, float] = {}
+    kinds: dict[str, int] = {}
+    for c in found:
+      times = k if c.where == "loop" else 1
+      axis = next((a for a, g in groups.items() if c.groups == g), None)
+      if axis is None:  # the model axis (the tensor-parallel forward and backward), not counted here
+        continue
+      by_axis[axis] = by_axis.get(axis, 0.0) + times * c.ring_bytes
+      if c.result_bytes > 64:  # not the scalar weight / loss / finite-check all-reduces
+        key = f"{c.opcode} ({axis})"
+        kinds[key] = kinds.get(key, 0) + times
+    if strategy == "hsdp":
+      size, rep = mesh.shape["shard"], mesh.shape["rep"]
+      ideal = 2 * (size - 1) / size * per_model + 2 * (rep - 1) / rep * per_model / size
+    else:
+      size = mesh.shape["data"]
+      rounds = k if options.get("fsdp_gather") == "per_microbatch" else 1
+      ideal = rounds * 2 * (size - 1) / size * per_model
+    measured = sum(by_axis.values())
+    name = strategy + (f" ({options['fsdp_gather']})" if "fsdp_gather" in options else "")
+    shape = "x".join(str(mesh.shape[a]) for a in names) + f" {axis_type.name}"
+    out.append(
+      {
+        "case": name,
+        "mesh": f"{shape} {names}",
+        "K": k,
+        "param_bytes": total,
+        "collectives": kinds,
+        "data_ring_bytes": measured,
+        "ideal_ring_bytes": ideal,
+        "ratio_to_ideal": measured / ideal,
+      }
+    )
+  return out
 
 
 def naive_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=16):
@@ -170,6 +269,9 @@ def run(quick: bool = False) -> list[dict]:
   ks = (1, 4) if quick else (1, 4, 16)
   total, rows = sharded_table(sizes, ks)
   naive = naive_table(sizes, ks)
+  tp = [
+    r for t in (AxisType.Auto, AxisType.Explicit) for r in model_axis_table(hidden=128 if quick else 512, axis_type=t)
+  ]
   lines = [
     f"MLP {'-'.join(map(str, sizes))}, N = {total} bytes of float32 parameters, adam, 8 devices. "
     "Per-device bytes from `addressable_shards`; collectives per step and ring bytes sent per device "
@@ -183,7 +285,7 @@ def run(quick: bool = False) -> list[dict]:
     colls = ", ".join(f"{v} {k}" for k, v in sorted(r["collectives"].items()))
     lines.append(
       f"| {r['case']} | {r['K']} | {r['params_bytes'] / total:.3f} N | {r['state_bytes'] / (2 * total):.3f} x 2N "
-      f"| {r['temp_bytes']} | {colls} | {r['ring_bytes'] / total:.2f} N |"
+      f"| {r['temp_bytes']} | {colls} ({r['in_loop']} inside the loop) | {r['ring_bytes'] / total:.2f} N |"
     )
   for r in naive:
     colls = ", ".join(f"{v} {k}" for k, v in sorted(r["collectives"].items()))
@@ -192,8 +294,28 @@ def run(quick: bool = False) -> list[dict]:
       f"| {r['case']} | {r['K']} | {r['params_bytes'] / total:.3f} N | {r['state_bytes'] / (2 * total):.3f} x 2N "
       f"| | {colls}{where} | {r['ring_bytes'] / total:.2f} N |"
     )
+  lines += [
+    "",
+    f"(data, model) meshes: a Megatron-style block (w1 P(None, 'model'), b1 P('model'), w2 P('model', None)), "
+    f"N = {tp[0]['param_bytes']} bytes, every leaf sharded over 'model' too; adam, K={tp[0]['K']}. Ring bytes per "
+    "device per update over the data axes only (the tensor-parallel collectives over 'model' are not counted), against "
+    "the ideal where each leaf's collective moves only its model shard: 2 (P-1)/P x N / model_size per reduce-scatter "
+    "+ all-gather round (hsdp: over its shard axis, plus the replica all-reduce of the blocks).",
+    "",
+    "| strategy | mesh | data-axis collectives per update (non-scalar) | data-axis ring bytes / device | ideal "
+    "| measured / ideal |",
+    "|---|---|---|---:|---:|---:|",
+  ]
+  for r in tp:
+    colls = ", ".join(f"{v} {k}" for k, v in sorted(r["collectives"].items()))
+    n = r["param_bytes"]
+    lines.append(
+      f"| {r['case']} | {r['mesh']} | {colls} | {r['data_ring_bytes'] / n:.3f} N | {r['ideal_ring_bytes'] / n:.3f} N "
+      f"| {r['ratio_to_ideal']:.3f} |"
+    )
   table = "\n".join(lines)
   data = {
+    "model_axis": tp,
     "param_bytes": total,
     "strategies": rows,
     "naive": naive,
