@@ -434,18 +434,20 @@ def _groups(items, key):
 
 
 def _auto_other(fn, leaf, axis):
-  """`fn` (a collective over the manual `axis`) on a leaf that Explicit non-data axes also shard.
+  """`fn` (a collective over the manual `axis`) on a leaf that other mesh axes (e.g. "model") also shard.
 
-  JAX's collectives take no operand typed as sharded over other Explicit axes;
-  `auto_axes` lets the partitioner handle those axes for the one call.
+  Run inside a `jax.shard_map` manual over those axes too, on each device's
+  model block: the data-axis collective then moves only the block (left to
+  the partitioner, it replicates the operand over "model" first and sends
+  twice the bytes), and JAX's collectives, which take no operand typed as
+  sharded over other Explicit axes, see a plain local array.
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-  entries = [None if axis in _names(e) else e for e in leaf.param_spec]
-  explicit = sorted({n for e in entries for n in _names(e) if types.get(n) == AxisType.Explicit})
-  if not explicit:
+  entries = [None if axis in _names(e) or e is PartitionSpec.UNCONSTRAINED else e for e in leaf.param_spec]
+  others = {n for e in entries for n in _names(e)}
+  if not others:
     return fn
-  return jax.sharding.auto_axes(fn, axes=tuple(explicit), out_sharding=_spec(entries))
+  spec = _spec(entries)
+  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), axis_names=others, in_specs=spec, out_specs=spec)
 
 
 def _reduce_scatter(xs, leaves, axis, size, wire):
