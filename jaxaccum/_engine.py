@@ -172,7 +172,8 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
   lw = None
   if lean and not (cfg.grad_norms or cfg.noise_scale):
     dims = [lay.dim if j in coll.sharded else None for j, lay in enumerate(coll.flat)]
-    lw = layerwise(cfg.loss_fn, dims, coll.axis, coll.size, comm_dtype=cfg.comm_dtype)
+    others = [_other_axes(lay, cfg.plan) for lay in coll.flat]
+    lw = layerwise(cfg.loss_fn, dims, coll.axis, coll.size, comm_dtype=cfg.comm_dtype, others=others)
 
   def run(mbs, i):
     rest = ((state,) if cfg.has_state else ()) + (mbs[0],) + (() if key is None else (jax.random.fold_in(key, i),))
@@ -219,6 +220,15 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
   reductions = (["add"] * n_grads, value_red) + (("concat",) if cfg.grad_norms else ())
   reductions += (("mean", "sum") if cfg.noise_scale else ()) + (("last",) if ran_flag else ())
   return run, reductions, n_grads
+
+
+def _other_axes(lay, plan) -> tuple:
+  """A leaf's entries over the mesh axes other than the data axes (None where unknown or data)."""
+  data = set(plan.batch_axes)
+  entries = sharded._entries(lay.param_spec, lay.ndim)
+  return tuple(
+    None if e is None or e is PartitionSpec.UNCONSTRAINED or set(sharded._names(e)) & data else e for e in entries
+  )
 
 
 def _layerwise_grads(lw, cfg: Config, coll, params, rest, w, share):

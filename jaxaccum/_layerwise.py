@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
 
 from jaxaccum import parallel
 
@@ -79,6 +80,7 @@ class _Lazy(NamedTuple):
   shard: Any  # the local block (a traced array)
   dim: int  # the dimension `shard` is a block of
   chain: tuple  # unary jaxpr equations to replay on the gathered array, in order
+  other: tuple = ()  # per dimension of `shard`, the other mesh axes (e.g. "model") sharding it, or None
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -170,34 +172,42 @@ class _Ctx(NamedTuple):
   wire: Any = None  # the dtype gradients are reduce-scattered in (None: the parameter's own)
 
 
-def _on_explicit(fn, like):
-  """`fn` (a collective over the manual axis) on a value typed as sharded over Explicit mesh axes too.
+def _on_block(fn, shard, other: tuple):
+  """`fn` (a collective over the manual data axis) on each device's block over the other mesh axes.
 
-  JAX's collectives take no operand typed as sharded over other Explicit axes
-  (e.g. "model"); `auto_axes` lets the partitioner handle those axes for the one
-  call, and the result keeps `like`'s sharding type over them.
+  A leaf that other axes (e.g. "model") shard too runs its data-axis collective
+  inside a `jax.shard_map` manual over those axes: it moves only the model
+  block (left to the partitioner, the operand is replicated over "model" first:
+  twice the bytes), and JAX's collectives, which take no operand typed as
+  sharded over other Explicit axes, see a plain local array. `other`: the
+  leaf's entries over those axes (from the step's layout); on Explicit meshes
+  the shard's type tells them too.
   """
-  spec = getattr(getattr(jax.typeof(like), "sharding", None), "spec", None)
-  if spec is None or all(e is None for e in spec):
+  entries = list(other)
+  if not any(e is not None for e in entries):
+    spec = getattr(getattr(jax.typeof(shard), "sharding", None), "spec", None)
+    entries = [] if spec is None else list(spec)
+  names = {n for e in entries if e is not None for n in ((e,) if isinstance(e, str) else e)}
+  if not names:
     return fn
-  axes = sorted({n for e in spec if e is not None for n in ((e,) if isinstance(e, str) else e)})
-  return jax.sharding.auto_axes(fn, axes=tuple(axes), out_sharding=spec)
+  spec = PartitionSpec(*entries)
+  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), axis_names=names, in_specs=spec, out_specs=spec)
 
 
-def _gather(ctx, shard, dim, z):
-  gather = lambda v: lax.all_gather(v, ctx.axis, axis=dim, tiled=True, to="varying")
-  return _on_explicit(gather, shard)(_tie(shard, z))
+def _gather(ctx, lz, shard, z):
+  gather = lambda v: lax.all_gather(v, ctx.axis, axis=lz.dim, tiled=True, to="varying")
+  return _on_block(gather, shard, lz.other)(_tie(shard, z))
 
 
-def _scatter(ctx, ct, shard, dim):
-  scatter = lambda v: lax.psum_scatter(v, ctx.axis, scatter_dimension=dim, tiled=True)
+def _scatter(ctx, ct, lz, shard):
+  scatter = lambda v: lax.psum_scatter(v, ctx.axis, scatter_dimension=lz.dim, tiled=True)
   ct = ct.astype(shard.dtype)
   if ctx.keep is not None:
     # Exactly 0 from a device whose microbatch does not count (an all-padding one: NaN loss).
     ct = jnp.where(ctx.keep, ct, jnp.zeros((), ct.dtype))
   if ctx.wire is not None:
-    return _on_explicit(scatter, shard)(ct.astype(ctx.wire)).astype(shard.dtype)
-  return _on_explicit(scatter, shard)(ct)
+    return _on_block(scatter, shard, lz.other)(ct.astype(ctx.wire)).astype(shard.dtype)
+  return _on_block(scatter, shard, lz.other)(ct)
 
 
 def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> list:
@@ -219,7 +229,7 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
 
   def primal(shards, others):
     z = _dependence(others)
-    fulls = [_replay(lz.chain, _gather(ctx, s, lz.dim, z)) for lz, s in zip(lazies, shards, strict=True)]
+    fulls = [_replay(lz.chain, _gather(ctx, lz, s, z)) for lz, s in zip(lazies, shards, strict=True)]
     return assemble(fulls, others)
 
   @jax.custom_vjp
@@ -245,19 +255,19 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
     # The parameters' cotangents first, reduce-scattered at once. For a bilinear use (x @ w,
     # x * scale) they do not need the gathered parameter: XLA drops this gather.
     z = _dependence(cts)
-    raw = [_gather(ctx, s, lz.dim, z) for lz, s in zip(lazies, shards, strict=True)]
+    raw = [_gather(ctx, lz, s, z) for lz, s in zip(lazies, shards, strict=True)]
     _, vjp_p = jax.vjp(lambda raw: g(raw, diff_in), raw)
     (ct_raw,) = vjp_p(cts)
     ct_shards = []
     for lz, s, c in zip(lazies, shards, ct_raw, strict=True):
-      block = _scatter(ctx, c, s, lz.dim)
+      block = _scatter(ctx, c, lz, s)
       ct_shards.append(_match_vma(block, _vma(s)))
     # Then the other inputs' cotangents (ct @ w.T) with a re-gather that waits for the
     # scattered gradient: one full-size buffer at a time, the gathered layer or its gradient.
     ct_diff: list = []
     if diff_in:
       z = _dependence(ct_shards)
-      raw = [_gather(ctx, s, lz.dim, z) for lz, s in zip(lazies, shards, strict=True)]
+      raw = [_gather(ctx, lz, s, z) for lz, s in zip(lazies, shards, strict=True)]
       _, vjp_o = jax.vjp(lambda diff_in: g(raw, diff_in), diff_in)
       (ct_diff,) = vjp_o(cts)
     it = iter(ct_diff)
@@ -329,12 +339,12 @@ def _eval(ctx, jaxpr, consts, args) -> list:
 def _split(invals):
   """(flat dynamic values, how to rebuild each: None or (dim, chain)) of a list with lazies."""
   flat = [x.shard if isinstance(x, _Lazy) else x for x in invals]
-  specs = [(x.dim, x.chain) if isinstance(x, _Lazy) else None for x in invals]
+  specs = [(x.dim, x.chain, x.other) if isinstance(x, _Lazy) else None for x in invals]
   return flat, specs
 
 
 def _rebuild(flat, specs):
-  return [x if s is None else _Lazy(x, s[0], s[1]) for x, s in zip(flat, specs, strict=True)]
+  return [x if s is None else _Lazy(x, *s) for x, s in zip(flat, specs, strict=True)]
 
 
 def _remat(ctx, eqn, invals):
@@ -366,11 +376,11 @@ def _scan(ctx, eqn, invals):
   consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
   carry = [_materialize(ctx, x) for x in carry]
   x_flat: list = []
-  x_specs: list[tuple[int, tuple] | None] = []
+  x_specs: list[tuple[int, tuple, tuple] | None] = []
   for x in xs:
     if isinstance(x, _Lazy) and x.dim > 0 and all(e.primitive.name in _ELEMENTWISE for e in x.chain):
       x_flat.append(x.shard)
-      x_specs.append((x.dim - 1, x.chain))
+      x_specs.append((x.dim - 1, x.chain, tuple(x.other[1:])))
     else:
       x_flat.append(_materialize(ctx, x))
       x_specs.append(None)
@@ -403,7 +413,13 @@ def _check_dims(dims, leaves) -> list:
 
 
 def layerwise(
-  loss_fn: Callable[..., Any], dims: Sequence[int | None] | Any, axis: str, size: int, *, comm_dtype: Any = None
+  loss_fn: Callable[..., Any],
+  dims: Sequence[int | None] | Any,
+  axis: str,
+  size: int,
+  *,
+  comm_dtype: Any = None,
+  others: Sequence[tuple] | None = None,
 ):
   """Returns `f(shards, *args, keep=None)`: `loss_fn(full_params, *args)`, each parameter gathered where used.
 
@@ -443,6 +459,10 @@ def layerwise(
     comm_dtype: the dtype gradients go on the wire in (e.g. `jnp.bfloat16`;
       the reduce-scatter sums in it), cast back to the parameter's dtype;
       None: the parameter's own. Parameters are gathered in their own dtype.
+    others: per leaf, its entries (one per dimension of the shard) over the
+      mesh axes other than `axis` that shard it too (e.g. `(None, "model")`),
+      None where none does: its collectives then run on each "model" block
+      (see `_on_block`). Default: read from the shards' types (Explicit axes).
 
   Returns:
     `f(shards, *args, keep=None)`, returning what `loss_fn` returns.
@@ -471,7 +491,8 @@ def layerwise(
         aval = aval.update(shape=tuple(shape))
       full.append(aval)
     closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(jax.tree.unflatten(treedef, full), *args)
-    vals = [x if d is None else _Lazy(x, d, ()) for x, d in zip(leaves, flat_dims, strict=True)]
+    other = [()] * len(leaves) if others is None else [tuple(o) for o in others]
+    vals = [x if d is None else _Lazy(x, d, (), o) for x, d, o in zip(leaves, flat_dims, other, strict=True)]
     outs = _eval(ctx, closed.jaxpr, closed.consts, vals + jax.tree.leaves(args))
     outs = [_materialize(ctx, o) for o in outs]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

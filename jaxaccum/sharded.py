@@ -123,6 +123,7 @@ class _Leaf(NamedTuple):
   opt_spec: PartitionSpec  # its optimizer state's and sharded gradient's sharding
   dim: int | None  # the dimension sharded over the plan's shard axis (None: replicated over it)
   other: bool  # another mesh axis shards the leaf too (its own collectives, no packing)
+  ndim: int = 0  # the leaf's number of dimensions
 
 
 def _entries(spec, ndim) -> list:
@@ -258,7 +259,7 @@ def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool, given: Any =
       e if e is not None or (plan.params_sharded and d == dim) else PartitionSpec.UNCONSTRAINED
       for d, e in enumerate(param)
     ]
-  return _Leaf(_spec(param), _spec(opt), dim, other)
+  return _Leaf(_spec(param), _spec(opt), dim, other, len(shape))
 
 
 def _layouts(params, mesh, plan, *, placed, given=None):
