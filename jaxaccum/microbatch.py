@@ -21,6 +21,11 @@ Outputs that are not means are combined per `reductions`: "sum" (counts),
 microbatch, such as its gradient norm, becomes a vector of K), "last" (flags,
 counters, non-float state).
 
+In your own `jax.jit` on an Explicit mesh, `microbatch(ja.grad(loss,
+axis_name="data"), K, axis_name="data")` adds the gradients as partial sums
+per device (typed unreduced: no collective in the loop) and reduces them once
+after it; without `axis_name` they stay unreduced for `ja.accumulate`.
+
 `skip_empty=True` runs `fun` under a `lax.cond` on the microbatch's weight,
 so microbatches of weight 0 (padding) cost next to nothing and one compiled
 function serves any number of real microbatches up to K; `pad_microbatches`
@@ -310,6 +315,15 @@ def microbatch(
       all microbatches of all devices. Under shard_map, gradients must vary
       over the axis (take them w.r.t. `lax.pcast(params, axis_name,
       to="varying")`); gradients already summed by autodiff raise a ValueError.
+      Inside your own `jax.jit` on a mesh whose `axis_name` axis is Explicit
+      (not bound by shard_map), `fun = ja.grad(loss, axis_name=...)` (or
+      `ja.value_and_grad`): its gradients are partial sums per device
+      (unreduced), added in the loop with no collective and reduced once after
+      it (one all-reduce); everything else is global already. A `fun` with
+      no unreduced output (plain `jax.grad`: all-reduced on every microbatch)
+      is a ValueError naming `ja.grad`. Without `axis_name`, unreduced outputs
+      come back unreduced (their weighted mean, a partial sum per device), for
+      `ja.accumulate(..., axis_name=)` to reduce once per window.
     accumulator_dtype: a floating dtype for the running sums; default the
       wider of float32 and each output's dtype.
     reductions: how each output leaf is combined: a tree prefix of `fun`'s
