@@ -408,10 +408,11 @@ def microbatch(
     ws = weights(sp, weight_fn, num_real_microbatches)
     skip = skip_empty or num_real_microbatches is not None
     sums = local_sums(run, sp, ws, reductions=reductions, accumulator_dtype=accumulator_dtype, skip=skip)
-    partial = any(_unreduced.axes_of(s) for s in jax.tree.leaves(sums.like))
+    # Partial sums (ja.grad's, without axis_name) are divided in `finish`, by a reduced reciprocal.
+    has_partial_sums = any(_unreduced.axes_of(s) for s in jax.tree.leaves(sums.like))
     if own_jit:
       out, total = finish(_reduce_partial_sums(sums, axis_name), None)
-    elif sums.single is not None and axis_name is None and not partial:
+    elif sums.single is not None and axis_name is None and not has_partial_sums:
       # One microbatch is its own mean (exactly: no w*o/w rounding), its own sum and its own last.
       total = _checked_total(sums.wsum, sums.ok)
       leaves, treedef = jax.tree.flatten(sums.single)
