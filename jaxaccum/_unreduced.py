@@ -112,15 +112,28 @@ def explicit_mesh(axis_name, tree=None, *, what: str, arg: str = "axis_name"):
   return mesh
 
 
+def _sharding(x):
+  """The typed sharding of an array or tracer, or the sharding a type (`jax.typeof`) or an eval_shape result holds."""
+  if isinstance(x, (jax.ShapeDtypeStruct, jax.core.AbstractValue)):
+    return getattr(x, "sharding", None)
+  return getattr(jax.typeof(x), "sharding", None)
+
+
+def axes_of(x) -> tuple[str, ...]:
+  """The mesh axes `x` (an array, a tracer, or a `jax.eval_shape` result) is typed unreduced over, sorted;
+  () for an ordinary value."""
+  return tuple(sorted(getattr(getattr(_sharding(x), "spec", None), "unreduced", None) or ()))
+
+
 def is_unreduced(x, axis_name) -> bool:
   """True when `x` (an array, a tracer, or a `jax.eval_shape` result) is typed unreduced over every name of
   `axis_name` (a partial sum per device)."""
-  if isinstance(x, jax.ShapeDtypeStruct):
-    sharding = x.sharding
-  else:
-    sharding = getattr(jax.typeof(x), "sharding", None)
-  unreduced = getattr(getattr(sharding, "spec", None), "unreduced", None) or frozenset()
-  return all(n in unreduced for n in names(axis_name))
+  return all(n in axes_of(x) for n in names(axis_name))
+
+
+def zeros_like(s, dtype) -> jax.Array:
+  """Zeros of `s`'s shape in `dtype`, unreduced over the axes `s` is (on `s`'s mesh: no mesh need be set)."""
+  return zeros(s.shape, dtype, getattr(_sharding(s), "mesh", None), axes_of(s))
 
 
 def zeros(shape, dtype, mesh, axis_name) -> jax.Array:
@@ -132,7 +145,13 @@ def zeros(shape, dtype, mesh, axis_name) -> jax.Array:
 def scale(x, weight, axis_name):
   """`x * weight` for an unreduced `x` and a replicated scalar `weight` (cast to reduced first, as JAX asks)."""
   w = jnp.asarray(weight).astype(x.dtype)
-  return x * jax.reshard(w, P(reduced=set(names(axis_name))))
+  return x * jax.reshard(w, _on_mesh_of(x, P(reduced=set(names(axis_name)))))
+
+
+def _on_mesh_of(x, spec: P):
+  """`spec` on `x`'s mesh (from its type), so that no `jax.set_mesh` is needed when the arguments carry it."""
+  mesh = getattr(_sharding(x), "mesh", None)
+  return NamedSharding(mesh, spec) if mesh is not None and not getattr(mesh, "empty", True) else spec
 
 
 def target_spec(like) -> P:
@@ -150,7 +169,7 @@ def reduce(x, axis_name, spec: P = P(), comm_dtype: Any = None):  # noqa: B008 -
   spec that shards over the axis. `comm_dtype` is the dtype on the wire; the result has `x`'s dtype."""
   del axis_name  # the type says which axes `x` is unreduced over
   sent = x if comm_dtype is None else x.astype(comm_dtype)
-  return jax.reshard(sent, spec).astype(x.dtype)
+  return jax.reshard(sent, _on_mesh_of(x, spec)).astype(x.dtype)
 
 
 def check_unreduced(tree, axis_name, arg: str = "grads") -> None:

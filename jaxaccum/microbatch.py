@@ -21,6 +21,11 @@ Outputs that are not means are combined per `reductions`: "sum" (counts),
 microbatch, such as its gradient norm, becomes a vector of K), "last" (flags,
 counters, non-float state).
 
+In your own `jax.jit` on an Explicit mesh, `microbatch(ja.grad(loss,
+axis_name="data"), K, axis_name="data")` adds the gradients as partial sums
+per device (typed unreduced: no collective in the loop) and reduces them once
+after it; without `axis_name` they stay unreduced for `ja.accumulate`.
+
 `skip_empty=True` runs `fun` under a `lax.cond` on the microbatch's weight,
 so microbatches of weight 0 (padding) cost next to nothing and one compiled
 function serves any number of real microbatches up to K; `pad_microbatches`
@@ -41,7 +46,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxaccum import _tree, parallel
+from jaxaccum import _tree, _unreduced, parallel
 
 
 def _check_int_arg(value, name: str) -> int:
@@ -310,6 +315,15 @@ def microbatch(
       all microbatches of all devices. Under shard_map, gradients must vary
       over the axis (take them w.r.t. `lax.pcast(params, axis_name,
       to="varying")`); gradients already summed by autodiff raise a ValueError.
+      Inside your own `jax.jit` on a mesh whose `axis_name` axis is Explicit
+      (not bound by shard_map), `fun = ja.grad(loss, axis_name=...)` (or
+      `ja.value_and_grad`): its gradients are partial sums per device
+      (unreduced), added in the loop with no collective and reduced once after
+      it (one all-reduce); everything else is global already. A `fun` with
+      no unreduced output (plain `jax.grad`: all-reduced on every microbatch)
+      is a ValueError naming `ja.grad`. Without `axis_name`, unreduced outputs
+      come back unreduced (their weighted mean, a partial sum per device), for
+      `ja.accumulate(..., axis_name=)` to reduce once per window.
     accumulator_dtype: a floating dtype for the running sums; default the
       wider of float32 and each output's dtype.
     reductions: how each output leaf is combined: a tree prefix of `fun`'s
@@ -370,7 +384,12 @@ def microbatch(
       f"{batch_argnums=} split into microbatches; a function that closes over its batch "
       "(def loss(params): ... batch ...) must take it as an argument: def loss(params, batch).",
     )
-    if axis_name is not None:
+    # Own-jit mode: `axis_name` is not bound (no pmap/shard_map) but is an Explicit axis of the mesh, where
+    # arrays are global and ja.grad's gradients are partial sums per device (see `_reduce_partial_sums`).
+    own_jit = axis_name is not None and not _unreduced.is_bound(axis_name)
+    if own_jit:
+      _unreduced.explicit_mesh(axis_name, args, what="ja.microbatch")
+    elif axis_name is not None:
       parallel.check_axis_name(axis_name)
     batches = tuple(args[i] for i in idx) + tuple(kwargs[n] for n in names)
     sp = split(batches, axes, k)
@@ -389,7 +408,11 @@ def microbatch(
     ws = weights(sp, weight_fn, num_real_microbatches)
     skip = skip_empty or num_real_microbatches is not None
     sums = local_sums(run, sp, ws, reductions=reductions, accumulator_dtype=accumulator_dtype, skip=skip)
-    if sums.single is not None and axis_name is None:
+    # Partial sums (ja.grad's, without axis_name) are divided in `finish`, by a reduced reciprocal.
+    has_partial_sums = any(_unreduced.axes_of(s) for s in jax.tree.leaves(sums.like))
+    if own_jit:
+      out, total = finish(_reduce_partial_sums(sums, axis_name), None)
+    elif sums.single is not None and axis_name is None and not has_partial_sums:
       # One microbatch is its own mean (exactly: no w*o/w rounding), its own sum and its own last.
       total = _checked_total(sums.wsum, sums.ok)
       leaves, treedef = jax.tree.flatten(sums.single)
@@ -630,6 +653,12 @@ def _leaf_reductions(reductions, outs, name: str = "fun's output", arg: str = "r
     reds = [r for r, sub in zip(jax.tree.leaves(reductions), subtrees, strict=True) for _ in jax.tree.leaves(sub)]
   for path, leaf, r in zip(paths, leaves, reds, strict=True):
     dtype = leaf.dtype
+    if (axes := _unreduced.axes_of(leaf)) and r not in ("mean", "sum"):
+      raise ValueError(
+        f"fun's output{path} is unreduced over {axes} (a partial sum per device, as ja.grad returns), reduced "
+        f'with {r!r}: only "mean" and "sum" combine partial sums. Reduce it inside fun (jax.reshard(x, P())) '
+        'or name "mean" or "sum" for it in reductions='
+      )
     floating = jnp.issubdtype(dtype, jnp.inexact)
     if r == "mean" and not floating:
       raise TypeError(
@@ -674,6 +703,8 @@ def _concat_shape(shape, k) -> tuple[int, ...]:
 
 def _init(s, r, k, override):
   if r == "mean" or (r in ("sum", _ADD) and jnp.issubdtype(s.dtype, jnp.inexact)):
+    if _unreduced.axes_of(s):  # ja.grad's partial sums: the running sum stays one (no collective in the loop)
+      return _unreduced.zeros_like(s, _tree.accumulator_dtype(s.dtype, override))
     return _zeros(s, _tree.accumulator_dtype(s.dtype, override))
   if r == "concat":
     return _zeros(s, s.dtype, _concat_shape(s.shape, k))
@@ -682,6 +713,12 @@ def _init(s, r, k, override):
 
 def _update(acc, o, w, i, r):
   """The carry after microbatch i of weight w contributed output o."""
+  if r in ("mean", "sum") and (axes := _unreduced.axes_of(acc)):
+    # A partial sum per device: the replicated weight is cast to reduced to scale it, and the weight-0 case
+    # selects unreduced zeros (a replicated 0 cannot be added to an unreduced value).
+    v = o.astype(acc.dtype)
+    v = _unreduced.scale(v, w, axes) if r == "mean" else v
+    return acc + jnp.where(w == 0, jnp.zeros_like(v), v)
   if r == "mean":
     return acc + _weighted(o, w, acc.dtype)
   if r == _ADD:  # make_train_step's gradient shares: weighted already, and after fsdp's reduce-scatter
@@ -807,7 +844,9 @@ def finish(sums: Sums, axis_name, *, total=None, extra=None):
   safe = jnp.where(total == 0, jnp.ones((), total.dtype), total)
   outs = []
   for a, o, r in zip(accs, like_leaves, reds, strict=True):
-    if r == "mean":
+    if r == "mean" and (axes := _unreduced.axes_of(a)):  # still partial sums: no `/` on them, a reduced reciprocal
+      a = _unreduced.scale(a, jnp.where(total == 0, jnp.zeros((), total.dtype), 1 / safe), axes)
+    elif r == "mean":
       a = jnp.where(total == 0, jnp.zeros((), a.dtype), a / safe.astype(a.dtype))
     elif r == "concat":
       a = _merge_rows(a) if o.ndim else a
@@ -816,6 +855,33 @@ def finish(sums: Sums, axis_name, *, total=None, extra=None):
     outs.append(a.astype(o.dtype))
   out = jax.tree.unflatten(treedef, outs)
   return (out, total) if extra is None else (out, total, extra)
+
+
+def _reduce_partial_sums(sums: Sums, axis_name) -> Sums:
+  """Own-jit mode (`axis_name` an Explicit mesh axis, not bound): the unreduced carries summed over the devices.
+
+  Inside the user's `jax.jit` on an Explicit mesh arrays are global: the weights
+  (weight_fn ran on the global microbatches), a loss that `ja.grad` reduced, a
+  "concat" buffer. Only `ja.grad`'s gradients are partial sums, and their
+  running sums stayed so in the loop; each is reduced here, once per call (one
+  all-reduce: `jax.reshard` to replicated). `finish` without an axis then
+  divides. When no output is unreduced, `fun`'s gradients came back reduced on
+  every microbatch (jax.grad on a sharded batch: K all-reduces per call): refused.
+  """
+  like = jax.tree.leaves(sums.like)
+  if not any(_unreduced.is_unreduced(s, axis_name) for s in like):
+    raise ValueError(
+      f"ja.microbatch(..., {axis_name=}) in a jax.jit on an Explicit mesh: none of fun's outputs is unreduced over "
+      f"{axis_name!r}, so they are global already; a jax.grad gradient of a loss on a batch sharded over "
+      f"{axis_name!r} was all-reduced on every microbatch (K all-reduces per call). Take it with "
+      f"ja.grad(loss, axis_name={axis_name!r}) (or ja.value_and_grad): the loop then adds partial sums and "
+      "the call reduces once. (Without gradients there is nothing to reduce: leave axis_name out.)"
+    )
+  accs = [
+    _unreduced.reduce(a, axis_name) if _unreduced.is_unreduced(s, axis_name) else a
+    for a, s in zip(sums.accs, like, strict=True)
+  ]
+  return sums._replace(accs=accs)
 
 
 def check_prefix(reductions, tree, name: str) -> None:

@@ -1,5 +1,7 @@
 """ja.grad / ja.value_and_grad and ja.accumulate in the user's own jit on an Explicit mesh (issue 19)."""
 
+import contextlib
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -298,27 +300,107 @@ def test_unreduced_helpers_for_the_microbatch_loop():
   np.testing.assert_allclose(out32, 4 * 7.5, rtol=1e-7)
 
 
-@pytest.mark.xfail(strict=True, reason="needs microbatch integration")
-def test_microbatch_of_ja_grad_reduces_once_per_step():
-  """ja.microbatch(ja.grad(loss, axis_name='data'), K) inside the user's jit: exact, no collective in the loop."""
+@pytest.mark.parametrize("k, set_mesh", [(1, True), (4, True), (4, False)])
+def test_microbatch_of_ja_grad_reduces_once_per_step(k, set_mesh):
+  """ja.microbatch(ja.grad(loss, axis_name='data'), K) inside the user's jit: exact, no collective in the loop
+  (set_mesh=False: the mesh is known only from where the arguments are placed)."""
   params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
   x, y = regression_data(jax.random.PRNGKey(1), 64)
   mesh = explicit_mesh()
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext():
     p = jax.device_put(params, NamedSharding(mesh, P()))
     batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
-    fun = ja.microbatch(ja.grad(mse_loss, axis_name="data"), 4, axis_name="data")
+    fun = ja.microbatch(ja.grad(mse_loss, axis_name="data"), k, axis_name="data")
+    replicated = NamedSharding(mesh, P())
 
     @jax.jit
     def step(q, b):
       g = fun(q, b)
-      return jax.tree.map(lambda a: jax.reshard(a, P()) if _unreduced.is_unreduced(a, "data") else a, g)
+      return jax.tree.map(lambda a: jax.reshard(a, replicated) if _unreduced.is_unreduced(a, "data") else a, g)
 
     grads = step(p, batch)
     hlo = step.lower(p, batch).compile().as_text()
   chex.assert_trees_all_close(grads, jax.grad(mse_loss)(params, (x, y)), rtol=RTOL, atol=0)
   assert {c.where for c in _hlo.collectives(hlo, N_DEV) if c.result_bytes > 8} == {"top"}
   assert _hlo.count(hlo, "all-reduce") <= 2
+
+
+MASK = (jnp.arange(64) % 8 < jnp.arange(64) // 8 % 4 + 1).astype(jnp.float64)  # 1..4 real rows per 8
+
+
+def masked_loss(q, batch):
+  x, y, m = batch
+  err = jnp.sum((mlp_apply(q, x) - y) ** 2, -1)
+  value = jnp.sum(m * err) / jnp.maximum(jnp.sum(m), 1)
+  return value, {"err": value * 2}
+
+
+@pytest.mark.parametrize("skip_empty", [False, True])
+def test_microbatch_of_ja_value_and_grad_with_weights_and_aux_is_the_masked_full_batch(skip_empty):
+  """Real rows uneven across devices and microbatches (one microbatch all padding): weights at both levels
+  (ja.grad's per device, microbatch's per microbatch) give the global masked mean; params-sized reduction once."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 64)
+  mask = MASK.at[3::4].set(0.0)  # microbatch 3 (rows 3, 7, ...) is padding
+  real = lambda b: jnp.sum(b[2])  # noqa: E731
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = jax.device_put((x, y, mask), NamedSharding(mesh, P("data")))
+    vg = ja.value_and_grad(masked_loss, axis_name="data", has_aux=True, weight_fn=real)
+    step = jax.jit(ja.microbatch(vg, 4, axis_name="data", weight_fn=real, skip_empty=skip_empty))
+    (value, aux), grads = step(p, batch)
+    hlo = step.lower(p, batch).compile().as_text()
+  (ref_value, ref_aux), ref = jax.value_and_grad(masked_loss, has_aux=True)(params, (x, y, mask))
+  np.testing.assert_allclose([value, aux["err"]], [ref_value, ref_aux["err"]], rtol=RTOL)
+  chex.assert_trees_all_close(grads, ref, rtol=RTOL, atol=0)
+  n_params = sum(a.size for a in jax.tree.leaves(params))
+  big = [c for c in _hlo.collectives(hlo, N_DEV) if c.result_bytes >= 8 * n_params]
+  assert [c.where for c in big] == ["top"], big  # in the loop: scalars only (ja.grad's weight total, the value)
+
+
+def test_microbatch_without_axis_name_keeps_ja_grad_unreduced_for_accumulate():
+  """No axis_name: the mean stays unreduced, so ja.accumulate reduces once per window over K2 calls of K1."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(1), 128)
+  mesh = explicit_mesh()
+  tx = ja.accumulate(inner_opt(), 2, axis_name="data")
+  fun = ja.microbatch(ja.grad(mse_loss, axis_name="data"), 4)
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    state = tx.init(p)
+
+    @jax.jit
+    def step(q, s, b):
+      g = fun(q, b)
+      assert all(_unreduced.is_unreduced(a, "data") for a in jax.tree.leaves(g))
+      u, s = tx.update(g, s, q)
+      return optax.apply_updates(q, u), s
+
+    for half in (slice(0, 64), slice(64, 128)):
+      b = jax.device_put((x[half], y[half]), NamedSharding(mesh, P("data")))
+      p, state = step(p, state, b)
+    hlo = step.lower(p, state, b).compile().as_text()
+  chex.assert_trees_all_close(p, full_batch_run(inner_opt(), params, [[(x, y)]]), rtol=RTOL, atol=0)
+  assert {c.where for c in _hlo.collectives(hlo, N_DEV) if c.result_bytes > 8} == {"branch"}
+
+
+def test_microbatch_in_own_jit_refuses_reduced_gradients_unreduced_concat_and_auto_meshes():
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(1), 16)
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    plain = ja.microbatch(jax.grad(mse_loss), 2, axis_name="data")
+    with pytest.raises(ValueError, match=r"none of fun's outputs is unreduced over 'data'.*ja\.grad\(loss"):
+      jax.jit(plain)(p, batch)
+    concat = ja.microbatch(ja.grad(mse_loss, axis_name="data"), 2, reductions="concat")
+    with pytest.raises(ValueError, match=r"output\[0\]\['b'\] is unreduced over \('data',\).*'concat'"):
+      jax.jit(concat)(p, batch)
+  auto = jax.make_mesh((N_DEV,), ("data",), axis_types=(AxisType.Auto,))
+  with jax.set_mesh(auto), pytest.raises(ValueError, match="ja.microbatch: axis 'data'.*Auto.*make_train_step"):
+    jax.jit(ja.microbatch(jax.grad(mse_loss), 2, axis_name="data"))(params, (x, y))
 
 
 def test_shard_map_users_init_is_unchanged_on_unplaced_params():
