@@ -232,16 +232,19 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
     fulls = [_replay(lz.chain, _gather(ctx, lz, s, z)) for lz, s in zip(lazies, shards, strict=True)]
     return assemble(fulls, others)
 
+  # `keep` is an argument (and a residual), not read from `ctx` in `bwd`: a closure over a tracer
+  # from outside a layer scan cannot enter the scan's backward pass.
   @jax.custom_vjp
-  def ga(shards, others):
+  def ga(shards, others, keep):
     return primal(shards, others)
 
-  def fwd(shards, others):
+  def fwd(shards, others, keep):
     # Only the shards (and the other inputs where the VJP needs their values): never the gathered arrays.
-    return primal(shards, others), (shards, None if linear else others)
+    return primal(shards, others), (shards, None if linear else others, keep)
 
   def bwd(res, cts):
-    shards, others = res
+    shards, others, keep = res
+    bctx = ctx._replace(keep=keep)
     if others is None:
       others = tuple(_zeros(a) for a in other_avals)
     diff_in = [o for o, d in zip(others, diff, strict=True) if d]
@@ -260,7 +263,7 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
     (ct_raw,) = vjp_p(cts)
     ct_shards = []
     for lz, s, c in zip(lazies, shards, ct_raw, strict=True):
-      block = _scatter(ctx, c, lz, s)
+      block = _scatter(bctx, c, lz, s)
       ct_shards.append(_match_vma(block, _vma(s)))
     # Then the other inputs' cotangents (ct @ w.T) with a re-gather that waits for the
     # scattered gradient: one full-size buffer at a time, the gathered layer or its gradient.
@@ -272,10 +275,10 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
       (ct_diff,) = vjp_o(cts)
     it = iter(ct_diff)
     ct_others = tuple(next(it) if d else None for d in diff)
-    return tuple(ct_shards), ct_others
+    return tuple(ct_shards), ct_others, None
 
   ga.defvjp(fwd, bwd)
-  return list(ga(tuple(lz.shard for lz in lazies), others_in))
+  return list(ga(tuple(lz.shard for lz in lazies), others_in, ctx.keep))
 
 
 def _materialize(ctx, x):

@@ -386,3 +386,28 @@ def test_shard_train_state_places_any_optax_state(name, opt):
     )
     new_p, _, _ = step(p, s, ja.shard_batch(batch, mesh))
     chex.assert_trees_all_close(jax.device_get(new_p), want, rtol=1e-10, atol=1e-12)
+
+
+def test_scanned_layers_under_fsdp_gathered_layer_by_layer():
+  """Stacked layers applied with lax.scan (MaxText/Levanter style): fsdp's layerwise gather inside the scan, exact."""
+  from jax import lax
+
+  def loss(p, b):
+    h, _ = lax.scan(lambda h, layer: (jnp.tanh(h @ layer["w"] + layer["b"]), None), b["x"], p)
+    return jnp.sum(b["mask"] * jnp.mean((h - b["y"]) ** 2, axis=-1)) / jnp.sum(b["mask"])
+
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  params = {"w": 0.3 * jax.random.normal(keys[0], (2, 16, 16)), "b": 0.1 * jax.random.normal(keys[1], (2, 16))}
+  mask = jnp.ones(ROWS).at[jnp.arange(0, ROWS, 2)[:8]].set(0.0)  # device 0's first microbatch: padding
+  batch = {"x": jax.random.normal(keys[2], (ROWS, 16)), "y": jax.random.normal(keys[3], (ROWS, 16)), "mask": mask}
+  opt = optax.adam(1e-2)
+  updates, _ = opt.update(jax.grad(loss)(params, batch), opt.init(params), params)
+  want = optax.apply_updates(params, updates)
+  mesh = _mesh(AxisType.Auto)
+  p, s = ja.shard_train_state(params, opt, mesh, strategy="fsdp")
+  step = ja.make_train_step(
+    loss, opt, num_microbatches=K, mesh=mesh, strategy="fsdp", weight_fn=lambda b: jnp.sum(b["mask"])
+  )
+  new_p, _, metrics = step(p, s, ja.shard_batch(batch, mesh))
+  assert bool(metrics["applied"])
+  chex.assert_trees_all_close(jax.device_get(new_p), want, rtol=RTOL, atol=1e-15)
