@@ -361,7 +361,7 @@ def strategy_table(width: int = 512, depth: int = 12, batch: int = 256, k: int =
   act, data = depth * (rows_dev // k) * width * 4, 2 * rows_dev * width * 4
   x = jax.random.normal(jax.random.PRNGKey(0), (batch, width), jnp.float32)
   y = jnp.zeros((batch, width), jnp.float32)
-  cases = [  # name, strategy, mesh, data_axis, fsdp_gather, floor on paper
+  cases: list[tuple[str, str, Any, Any, str | None, int]] = [  # name, strategy, mesh, data_axis, fsdp_gather, floor
     ("ddp", "ddp", mesh, "data", None, 4 * n + layer + act + data),
     ("zero1", "zero1", mesh, "data", None, 2 * n + 2 * n // 8 + layer + act + data),
     ("fsdp per_microbatch", "fsdp", mesh, "data", "per_microbatch", 4 * n // 8 + layer + act + data),
