@@ -101,3 +101,43 @@ def test_step_options_choose_fsdp_comm_lean_when_it_fits():
   assert plan.totals == {(4, 0): once, (4, 1): lean}
   with pytest.raises(TypeError, match="step_options="):
     ja.plan_microbatches(factory, p, s, batch, memory_budget_bytes=once, step_options={"fsdp_gather": "once"})
+
+
+def test_step_options_layerwise_fsdp_smallest_k_first_then_comm_lean():
+  """fsdp per_microbatch gathers layer by layer: it saves more than the full parameter copy "once" holds.
+
+  Budgets from the compiled totals (nothing hard-coded): K is tried ascending, and for each K the
+  comm-lean "once" before "per_microbatch"; the first (K, mode) that fits wins.
+  """
+  params = mlp_init(jax.random.PRNGKey(0), (16, 128, 128, 128, 8))  # parameters dominate: 8 rows per device
+  data = regression_data(jax.random.PRNGKey(1), 64, d_in=16, d_out=8)
+  mesh = ja.data_mesh()
+  opt = optax.adam(1e-3)
+  p, s = ja.shard_train_state(params, opt, mesh, strategy="fsdp")
+  batch = ja.shard_batch(data, mesh)
+  full = sum(x.nbytes for x in jax.tree.leaves(params))
+
+  def factory(k, **options):
+    return ja.make_train_step(mse_loss, opt, num_microbatches=k, mesh=mesh, strategy="fsdp", **options)
+
+  t = {(k, g): total_bytes(factory(k, fsdp_gather=g), p, s, batch) for k in (1, 2) for g in ("once", "per_microbatch")}
+  # "once" holds the gathered tree, a full-size accumulator and a microbatch's gradient; layer by layer
+  # holds 1/P of each and one layer at a time (gathering the whole tree per microbatch, as before the
+  # layerwise engine, held the gathered tree and the gradient: about as much as "once" at K=1).
+  for k in (1, 2):
+    assert t[k, "once"] > 2 * t[k, "per_microbatch"], (k, t, full)
+  assert t[1, "per_microbatch"] < 1.2 * full  # below one replicated copy of params + adam (3N) by far
+  options = [{"fsdp_gather": "once"}, {"fsdp_gather": "per_microbatch"}]
+  plan = lambda budget: ja.plan_microbatches(
+    factory, p, s, batch, memory_budget_bytes=budget, candidates=[1, 2], step_options=options
+  )
+  # Room for "once" at K=1: comm-lean first.
+  got = plan(t[1, "once"])
+  assert (int(got), got.step_options, got.memory_bytes) == (1, options[0], t[1, "once"])
+  assert got.totals == {(1, 0): t[1, "once"]}
+  # Only the layerwise step fits (at every K): K=1, after "once" was tried there; K=2 is never compiled.
+  budget = t[1, "per_microbatch"]
+  assert budget < min(t[1, "once"], t[2, "once"])
+  got = plan(budget)
+  assert (int(got), got.step_options, got.memory_bytes) == (1, options[1], budget)
+  assert got.totals == {(1, 0): t[1, "once"], (1, 1): budget}

@@ -9,12 +9,18 @@ stacked and applied with `lax.scan` (the MaxText/Levanter style). Steps:
   custom_vjp that all-gathers its weights (forward, with a data dependence on
   the layer input; backward again, with one on the cotangent) and
   `psum_scatter`s its gradient into a 1/P accumulator;
-- (b) `layerwise`: `jaxaccum._layerwise.layerwise(loss)` inside the same
-  shard_map microbatch loop and 1/P accumulator (the model code unchanged);
-- (c) jaxaccum's fsdp today: `ja.make_train_step(strategy="fsdp")` with
-  `fsdp_gather="per_microbatch"` and `"once"`;
+- (b) `_layerwise` alone: `jaxaccum._layerwise.layerwise(loss)` inside the same
+  bare shard_map microbatch loop and 1/P accumulator as (a) (the model code
+  unchanged, no jaxaccum step around it): the engine's mechanism by itself;
+- (c) jaxaccum's step, `ja.make_train_step(strategy="fsdp")` with
+  `fsdp_gather="per_microbatch"` (the default: the engine runs the loss
+  through `_layerwise`, so (c) should equal (b)) and `"once"`;
 - (d) a user's plain `jax.jit` over FSDP-sharded params and state with a
   `lax.scan` over microbatches (contiguous and strided splits of the batch).
+
+A second table puts every strategy side by side on the listed model
+(`ja.make_train_step(strategy=...)`: ddp, zero1, fsdp and hsdp in both gather
+modes), with the floor on paper of each.
 
 Per-device peak from the compiled memory analysis: argument + output + temp -
 alias, params and state donated. Collectives: every instruction of the
@@ -221,7 +227,12 @@ def collectives_per_step(hlo_text: str, num_devices: int = 8) -> dict[str, dict[
       base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
       if base in _hlo.COLLECTIVES and not opcode.endswith("-done"):
         arrays = _hlo._ARRAY.findall(result)
-        result_bytes = _hlo._array_bytes("{}[{}]".format(*arrays[-1])) if arrays else 0
+        # A synchronous collective's result may be a tuple (leaves packed into one instruction): all of it.
+        # An async start returns (operands..., results...): the result is the last array.
+        if base == opcode:
+          result_bytes = _hlo._array_bytes(result)
+        else:
+          result_bytes = _hlo._array_bytes("{}[{}]".format(*arrays[-1])) if arrays else 0
         groups = _hlo._groups(line)
         n = len(next(iter(groups))) if groups else num_devices
         if base == "all-gather":
@@ -246,11 +257,47 @@ def collectives_per_step(hlo_text: str, num_devices: int = 8) -> dict[str, dict[
   return out
 
 
-# --------------------------------------------------------------------------- the table
+# --------------------------------------------------------------------------- the tables
+
+REFERENCE = "(a) hand-written layerwise reference"
+LAYERWISE = "(b) `_layerwise` alone, bare shard_map loop"
+JA = "(c) jaxaccum fsdp {}"
+PLAIN = "(d) plain jit + scan, {} split"
+
+
+def _measure(compiled, n_dev: int) -> dict:
+  m = compiled.memory_analysis()
+  return {
+    "peak_bytes": peak_bytes(compiled),
+    "argument_bytes": int(m.argument_size_in_bytes),
+    "output_bytes": int(m.output_size_in_bytes),
+    "alias_bytes": int(m.alias_size_in_bytes),
+    "temp_bytes": int(m.temp_size_in_bytes),
+    "collectives": collectives_per_step(compiled.as_text() or "", n_dev),
+  }
+
+
+def _compile(build, *args, n_dev: int) -> dict:
+  """The compiled step's figures (a step that does not compile raises: a bug to see, not a row to skip)."""
+  return _measure(build().lower(*args).compile(), n_dev)
+
+
+def _floor(total: int, shards: int, layer: int, depth: int, rows_mb: int, width: int, batch_rows: int) -> dict:
+  """The floor on paper of a layerwise step with state sharded `shards` ways: see the module docstring."""
+  return {
+    # params + adam's two moments + the accumulator, each 1/P of N
+    "sharded_state": 4 * total // shards,
+    # one gathered layer (w and b) and its full-size gradient before the reduce-scatter
+    "gathered_layer_and_grad": 2 * layer,
+    # one microbatch's saved layer inputs (the activations the backward pass needs)
+    "activations": depth * rows_mb * width * 4,
+    # the batch argument (x and y) on one device
+    "batch": 2 * batch_rows * width * 4,
+  }
 
 
 def fsdp_table(width: int = 512, depth: int = 12, batch: int = 256, ks=(4, 8), kinds=("listed", "scanned")):
-  """Rows {kind, K, case, peak_bytes, collectives} and the paper floor per (kind, K)."""
+  """Rows {kind, K, case, peak_bytes, ..., collectives} and the paper floor per (kind, K)."""
   devices = jax.devices()[:8]
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
   n_dev = 8
@@ -267,65 +314,99 @@ def fsdp_table(width: int = 512, depth: int = 12, batch: int = 256, ks=(4, 8), k
     total = sum(v.nbytes for v in jax.tree.leaves(params))
     layer = (width * width + width) * 4
     for k in ks:
-      rows_mb = batch // n_dev // k
-      floors[(kind, k)] = {
-        # params + adam's two moments + the accumulator, each 1/P of N
-        "sharded_state": 4 * total // n_dev,
-        # one gathered layer (w and b) and its full-size gradient before the reduce-scatter
-        "gathered_layer_and_grad": 2 * layer,
-        # one microbatch's saved layer inputs (the activations the backward pass needs)
-        "activations": depth * rows_mb * width * 4,
-        # the batch argument on one device
-        "batch": 2 * batch // n_dev * width * 4,
-      }
+      floors[(kind, k)] = _floor(total, n_dev, layer, depth, batch // n_dev // k, width, batch // n_dev)
       cases: list[tuple[str, Any]] = []
       ref = _reference_loss(kind, "data")
+      cases.append((REFERENCE, lambda p, s, ref=ref: _shard_map_step(jax.value_and_grad(ref), p, opt, mesh, k)))
       cases.append(
         (
-          "(a) reference (hand-written layerwise)",
-          lambda p, s, ref=ref: _shard_map_step(jax.value_and_grad(ref), p, opt, mesh, k),
-        )
-      )
-      cases.append(
-        (
-          "(b) layerwise()",
+          LAYERWISE,
           lambda p, s: _shard_map_step(
             jax.value_and_grad(layerwise(loss, _dims(p, "data"), "data", n_dev)), p, opt, mesh, k
           ),
         )
       )
       for gather in ("per_microbatch", "once"):
-        cases.append((f"(c) ja fsdp {gather}", lambda p, s, gather=gather: _ja_step(loss, opt, mesh, k, gather)))
+        cases.append((JA.format(gather), lambda p, s, gather=gather: _ja_step(loss, opt, mesh, k, "fsdp", gather)))
       for split in ("contiguous", "strided"):
-        cases.append((f"(d) plain jit + scan, {split}", lambda p, s, split=split: _plain_jit_step(loss, opt, k, split)))
+        cases.append((PLAIN.format(split), lambda p, s, split=split: _plain_jit_step(loss, opt, k, split)))
       for name, build in cases:
         p, s = ja.shard_train_state(params, opt, mesh, strategy="fsdp")
-        step = build(p, s)
-        if name.startswith("(c)"):
-          compiled = step.lower(p, s, (x, y)).compile()
-        else:
-          compiled = step.lower(p, s, x, y).compile()
-        rows.append(
-          {
-            "kind": kind,
-            "K": k,
-            "case": name,
-            "peak_bytes": peak_bytes(compiled),
-            "collectives": collectives_per_step(compiled.as_text() or "", n_dev),
-            "param_bytes": total,
-          }
-        )
+        args = (p, s, (x, y)) if name.startswith("(c)") else (p, s, x, y)
+        got = _compile(lambda build=build, p=p, s=s: build(p, s), *args, n_dev=n_dev)
+        rows.append({"kind": kind, "K": k, "case": name, "param_bytes": total, **got})
   return rows, floors
 
 
-def _ja_step(loss, opt, mesh, k, gather):
+def strategy_table(width: int = 512, depth: int = 12, batch: int = 256, k: int = 4):
+  """Every strategy's compiled step on the listed model at K: rows {case, peak_bytes, ..., floor}.
+
+  The floor on paper of each, per device (N params, P = 8 devices, S = 4 the
+  hsdp shard axis, L one layer, A one microbatch's saved layer inputs, B the
+  batch): ddp 4N (params, adam's two moments, the accumulator) + L (a layer's
+  gradient, added as it is produced) + A + B; zero1 2N + 2N/P (the local
+  accumulator is full size until the one reduce-scatter); fsdp per_microbatch
+  4N/P + L (the layer or its gradient) + A + B; fsdp once 2N + 3N/P + L + A + B
+  (the gathered copy and the full accumulator); hsdp as fsdp with S for P.
+  """
+  devices = jax.devices()[:8]
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
+  hsdp_mesh = jax.make_mesh((2, 4), ("replica", "shard"), axis_types=(AxisType.Auto,) * 2, devices=devices)
+  opt = optax.adam(1e-3)
+  params = _params("listed", width, depth, jax.random.PRNGKey(1))
+  loss = _loss("listed")
+  n = sum(v.nbytes for v in jax.tree.leaves(params))
+  layer = (width * width + width) * 4
+  rows_dev = batch // 8
+  act, data = depth * (rows_dev // k) * width * 4, 2 * rows_dev * width * 4
+  x = jax.random.normal(jax.random.PRNGKey(0), (batch, width), jnp.float32)
+  y = jnp.zeros((batch, width), jnp.float32)
+  cases: list[tuple[str, str, Any, Any, str | None, int]] = [  # name, strategy, mesh, data_axis, fsdp_gather, floor
+    ("ddp", "ddp", mesh, "data", None, 4 * n + layer + act + data),
+    ("zero1", "zero1", mesh, "data", None, 2 * n + 2 * n // 8 + layer + act + data),
+    ("fsdp per_microbatch", "fsdp", mesh, "data", "per_microbatch", 4 * n // 8 + layer + act + data),
+    ("fsdp once", "fsdp", mesh, "data", "once", 2 * n + 3 * n // 8 + layer + act + data),
+    ("hsdp (2 x 4) per_microbatch", "hsdp", hsdp_mesh, ("replica", "shard"), "per_microbatch", n + layer + act + data),
+    ("hsdp (2 x 4) once", "hsdp", hsdp_mesh, ("replica", "shard"), "once", 2 * n + 3 * n // 4 + layer + act + data),
+  ]
+  rows = []
+  for name, strategy, m, axes, gather, floor in cases:
+    p, s = ja.shard_train_state(params, opt, m, strategy=strategy, data_axis=axes)
+    b = ja.shard_batch((x, y), m, axes)
+    build = lambda strategy=strategy, m=m, axes=axes, gather=gather: _ja_step(loss, opt, m, k, strategy, gather, axes)
+    got = _compile(build, p, s, b, n_dev=8)
+    state = sum(_max_shard(v) for v in jax.tree.leaves(s))
+    rows.append(
+      {
+        "case": name,
+        "K": k,
+        "param_bytes": n,
+        "params_per_device": sum(_max_shard(v) for v in jax.tree.leaves(p)),
+        "state_per_device": state,
+        "floor_bytes": floor,
+        **got,
+      }
+    )
+  return rows
+
+
+def _max_shard(x) -> int:
+  return max(s.data.nbytes for s in x.addressable_shards)
+
+
+def _ja_step(loss, opt, mesh, k, strategy="fsdp", gather=None, data_axis="data"):
+  options = {} if gather is None else {"fsdp_gather": gather}
   return ja.make_train_step(
-    lambda p, b: loss(p, *b), opt, num_microbatches=k, mesh=mesh, strategy="fsdp", fsdp_gather=gather
+    lambda p, b: loss(p, *b), opt, num_microbatches=k, mesh=mesh, strategy=strategy, data_axis=data_axis, **options
   )
 
 
 def _mib(b) -> str:
   return f"{b / 2**20:.2f}"
+
+
+def _counts(c: dict) -> str:
+  return " | ".join(f"{c.get(op, {}).get('count', 0)}" for op in ("all-gather", "reduce-scatter", "all-reduce"))
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -340,7 +421,10 @@ def run(quick: bool = False) -> list[dict]:
     "paper: params + adam's two moments + accumulator (4N/P) + one gathered layer and its full-size gradient + "
     "one microbatch's saved layer inputs + the batch; the tight floor holds one full-size buffer at a time "
     "(the gradient is reduce-scattered before the layer is re-gathered). Collectives per step, each weighted by "
-    "its loops' trip counts, and ring bytes sent per device in units of N.",
+    "its loops' trip counts, and ring bytes sent per device in units of N. Rows: (a) hand-written layerwise "
+    "FSDP under shard_map (the target's yardstick); (b) jaxaccum's `_layerwise` mechanism alone in the same "
+    'bare loop; (c) `ja.make_train_step(strategy="fsdp", fsdp_gather=...)`, whose per_microbatch mode runs '
+    "(b) inside the engine; (d) a user's `jax.jit` with FSDP shardings and a `lax.scan` over microbatches.",
     "",
     "| layers | K | step | peak (MiB) | / floor | / tight floor | / (a) | all-gathers | reduce-scatters "
     "| all-reduces | wire bytes |",
@@ -349,7 +433,7 @@ def run(quick: bool = False) -> list[dict]:
   data: dict[str, Any] = {"rows": rows, "floors": {f"{kd}/K={k}": v for (kd, k), v in floors.items()}}
   for (kind, k), floor in floors.items():
     group = [r for r in rows if r["kind"] == kind and r["K"] == k]
-    ref = next(r for r in group if r["case"].startswith("(a)"))
+    ref = next(r for r in group if r["case"] == REFERENCE)
     floor_bytes = sum(floor.values())
     tight = floor_bytes - layer
     lines.append(
@@ -361,22 +445,59 @@ def run(quick: bool = False) -> list[dict]:
       wire = sum(v["bytes"] for v in c.values())
       lines.append(
         f"| {kind} | {k} | {r['case']} | {_mib(r['peak_bytes'])} | {r['peak_bytes'] / floor_bytes:.2f} "
-        f"| {r['peak_bytes'] / tight:.2f} | {r['peak_bytes'] / ref['peak_bytes']:.2f} "
-        f"| {c.get('all-gather', {}).get('count', 0)} | {c.get('reduce-scatter', {}).get('count', 0)} "
-        f"| {c.get('all-reduce', {}).get('count', 0)} | {wire / n:.2f} N |"
+        f"| {r['peak_bytes'] / tight:.2f} | {r['peak_bytes'] / ref['peak_bytes']:.2f} | {_counts(c)} "
+        f"| {wire / n:.2f} N |"
       )
-    lw = next(r for r in group if r["case"].startswith("(b)"))
     plain = [r for r in group if r["case"].startswith("(d)")]
-    best = min(plain, key=lambda r: r["peak_bytes"])
-    data[f"ratio_layerwise_vs_reference_peak/{kind}/K={k}"] = lw["peak_bytes"] / ref["peak_bytes"]
-    data[f"ratio_layerwise_vs_floor_peak/{kind}/K={k}"] = lw["peak_bytes"] / floor_bytes
-    data[f"ratio_layerwise_vs_tight_floor_peak/{kind}/K={k}"] = lw["peak_bytes"] / tight
-    data[f"ratio_layerwise_vs_plain_jit_peak/{kind}/K={k}"] = lw["peak_bytes"] / best["peak_bytes"]
-    lw_wire = sum(v["bytes"] for v in lw["collectives"].values())
-    best_wire = min(sum(v["bytes"] for v in r["collectives"].values()) for r in plain)
-    data[f"ratio_layerwise_vs_plain_jit_wire/{kind}/K={k}"] = lw_wire / best_wire
-  table = "\n".join(lines)
-  return [{"title": "fsdp: per-device peak memory and collectives, layer by layer", "markdown": table, "data": data}]
+    for tag, case in (("layerwise", LAYERWISE), ("ja_per_microbatch", JA.format("per_microbatch"))):
+      r = next(r for r in group if r["case"] == case)
+      best = min(plain, key=lambda r: r["peak_bytes"])
+      data[f"ratio_{tag}_vs_reference_peak/{kind}/K={k}"] = r["peak_bytes"] / ref["peak_bytes"]
+      data[f"ratio_{tag}_vs_floor_peak/{kind}/K={k}"] = r["peak_bytes"] / floor_bytes
+      data[f"ratio_{tag}_vs_tight_floor_peak/{kind}/K={k}"] = r["peak_bytes"] / tight
+      data[f"ratio_{tag}_vs_plain_jit_peak/{kind}/K={k}"] = r["peak_bytes"] / best["peak_bytes"]
+      r_wire = sum(v["bytes"] for v in r["collectives"].values())
+      best_wire = min(sum(v["bytes"] for v in q["collectives"].values()) for q in plain)
+      data[f"ratio_{tag}_vs_plain_jit_wire/{kind}/K={k}"] = r_wire / best_wire
+  out = [
+    {
+      "title": "fsdp: per-device peak memory and collectives, layer by layer",
+      "markdown": "\n".join(lines),
+      "data": data,
+    }
+  ]
+
+  k = ks[0]
+  srows = strategy_table(width, depth, batch, k)
+  lines = [
+    f"The listed model above ({depth} x {width}, N = {n / 2**20:.2f} MiB), adam, 8 devices, batch {batch}, K = {k}, "
+    "`ja.make_train_step(strategy=...)`. Per device, MiB: the parameters and the optimizer state the fullest "
+    "device holds (arguments, with the batch), XLA's temp (accumulator, gathered parameters, gradients, "
+    "activations), the peak (argument + output + temp - alias, donated), and the floor on paper of each "
+    "strategy (N params, P = 8, S = 4 for hsdp; L one layer, A one microbatch's activations, B the batch): "
+    "ddp 4N + L + A + B; zero1 2N + 2N/P + L + A + B; fsdp per_microbatch 4N/P + L + A + B; fsdp once "
+    "2N + 3N/P + L + A + B; hsdp with S for P.",
+    "",
+    "| strategy | params | optimizer state | argument | temp | peak | floor on paper | peak / floor "
+    "| all-gathers | reduce-scatters | all-reduces | wire bytes |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in srows:
+    c = r["collectives"]
+    wire = sum(v["bytes"] for v in c.values())
+    lines.append(
+      f"| {r['case']} | {_mib(r['params_per_device'])} | {_mib(r['state_per_device'])} "
+      f"| {_mib(r['argument_bytes'])} | {_mib(r['temp_bytes'])} | {_mib(r['peak_bytes'])} "
+      f"| {_mib(r['floor_bytes'])} | {r['peak_bytes'] / r['floor_bytes']:.2f} | {_counts(c)} | {wire / n:.2f} N |"
+    )
+  out.append(
+    {
+      "title": "fsdp: every strategy's per-device peak",
+      "markdown": "\n".join(lines),
+      "data": {"rows": srows},
+    }
+  )
+  return out
 
 
 if __name__ == "__main__":
