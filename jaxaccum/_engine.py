@@ -412,9 +412,14 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
     updates, opt_state = cfg.optimizer.update(grads, opt_state, piece)
     return optax.apply_updates(piece, updates), opt_state, new_state
 
-  new_piece, new_opt, new_state = parallel.cond(
-    applied, update, lambda ops: (ops[0], ops[1], ops[2]), (piece, opt_state, state, new_state)
-  )
+  ops = (piece, opt_state, state, new_state)
+  if layouts is None:
+    new_piece, new_opt, new_state = parallel.cond(applied, update, lambda ops: ops[:3], ops)
+  else:
+    # On a mesh the update may hold collectives (the partitioner's all-reduces of lamb's or
+    # clip_by_global_norm's norms over sharded state). Inside a conditional, XLA:CPU's collectives
+    # can stall (seen with an all-reduce in a lax.cond under shard_map): compute, then select.
+    new_piece, new_opt, new_state = jax.tree.map(functools.partial(_select, applied), update(ops), ops[:3])
   new_opt = _tree.cast_like(new_opt, opt_state)  # the dtypes optimizer.init gave: no retrace
   if layouts is not None:
     new_opt = place(new_opt)
@@ -434,6 +439,14 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
     grad_sq, trace_cov, valid = _noise.window_estimates(s1 * total.astype(s1.dtype), total, mean_sq, count)
     metrics["noise_scale"] = _noise.step_estimate(grad_sq, trace_cov, valid)
   return new_piece, new_state, new_opt, metrics
+
+
+def _select(pred, new, old):
+  """`new` where `pred`, else `old` (in `old`'s dtype); typed PRNG keys (optax.add_noise's state) by their data."""
+  if jnp.issubdtype(old.dtype, jax.dtypes.prng_key):
+    data = jnp.where(pred, jax.random.key_data(new), jax.random.key_data(old))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(old))
+  return jnp.where(pred, new.astype(old.dtype), old)
 
 
 def _is_spec(x) -> bool:

@@ -51,6 +51,8 @@ def cast_like(tree, like):
   """Casts every leaf of `tree` to the dtype of the matching leaf of `like` (Python scalars included)."""
 
   def cast(x, y):
+    if jnp.issubdtype(getattr(y, "dtype", None) or jnp.float32, jax.dtypes.prng_key):
+      return x  # a typed PRNG key (optax.add_noise's state) has no cast
     x, dtype = jnp.asarray(x), dtype_of(y)
     return x.astype(dtype) if x.dtype != dtype else x
 

@@ -369,6 +369,7 @@ def test_float16_wire_with_token_weights_applies(strategy):
     ("adafactor", optax.adafactor(1e-2, min_dim_size_to_factor=4)),
     ("inject", optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)),
     ("muon", optax.contrib.muon(1e-2)),
+    ("noise_key", optax.chain(optax.add_noise(0.01, 0.5, 0), optax.adam(1e-2))),  # a PRNG key in the state
   ],
 )
 def test_shard_train_state_places_any_optax_state(name, opt):
