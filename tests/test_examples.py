@@ -39,6 +39,21 @@ def _start(name: str) -> None:
   )
 
 
+def _run_once(name: str, args: list[str]) -> str:
+  """examples/<name>.py with `args`, run to the end; its output (stdout and stderr), checked for exit status 0."""
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / "examples" / f"{name}.py"), *args],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    timeout=TIMEOUT_S,
+  )
+  assert proc.returncode == 0, proc.stdout
+  return proc.stdout
+
+
 def _output(name: str, request) -> str:
   if not _RUNS:
     selected = [
@@ -89,17 +104,7 @@ def test_dp_sgd_equals_a_plain_dp_sgd_run():
   import importlib.util  # noqa: PLC0415
 
   args = ["--x64", "--check", "--steps", "3", "--expected-batch-size", "24", "--rows", "2"]
-  proc = subprocess.run(
-    [sys.executable, str(ROOT / "examples" / "dp_sgd.py"), *args],
-    cwd=ROOT,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-    timeout=TIMEOUT_S,
-  )
-  out = proc.stdout
-  assert proc.returncode == 0, out
+  out = _run_once("dp_sgd", args)
   diff = re.search(r"max relative difference from the plain DP-SGD run: (\S+)", out)
   assert diff and float(diff.group(1)) < 1e-12, out
   assert re.search(r"Poisson batch sizes \d+\.\.\d+ \([2-9] distinct\) ran in 1 compiled step", out), out
@@ -114,17 +119,7 @@ def test_flax_resnet_sharded_equals_the_original_pmap_step():
   fsdp equals the original step run plainly under vmap over the same 8 x K groups of rows, float64; the whole batch
   as one BatchNorm group is printed as what is not exact (ghost batch norm), and must be measurably off."""
   args = ["--x64", "--steps", "3", "--batch-size", "32", "--k", "2"]  # 8 devices x K=2 x 2 rows
-  proc = subprocess.run(
-    [sys.executable, str(ROOT / "examples" / "flax_resnet_sharded.py"), *args],
-    cwd=ROOT,
-    env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-    timeout=TIMEOUT_S,
-  )
-  out = proc.stdout
-  assert proc.returncode == 0, out
+  out = _run_once("flax_resnet_sharded", args)
   diffs = dict(re.findall(r"^(zero1|fsdp)\s+max relative difference from the original step[^:]*: (\S+)", out, re.M))
   assert set(diffs) == {"zero1", "fsdp"}, out
   for strategy, diff in diffs.items():
