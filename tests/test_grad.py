@@ -47,6 +47,13 @@ def windows_of(sizes, k, seed=1):
   return [micro[i : i + k] for i in range(0, len(micro), k)]
 
 
+def adam_window(params, mesh):
+  """(tx, replicated params, tx.init, a microbatch of 16 rows over "data") for a window of 4 (inside set_mesh)."""
+  tx = ja.accumulate(optax.adam(0.1), 4, axis_name="data")
+  p = jax.device_put(params, NamedSharding(mesh, P()))
+  return tx, p, tx.init(p), jax.device_put(windows_of([16], 1)[0][0], NamedSharding(mesh, P("data")))
+
+
 def own_jit_step(tx, weighted):
   @jax.jit
   def step(params, state, batch):
@@ -84,11 +91,8 @@ def test_one_params_sized_all_reduce_per_window_in_the_window_end_branch():
   """Compiled HLO, parsed by called computations: no collective at the top level of a micro-step."""
   params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
   mesh = explicit_mesh()
-  tx = ja.accumulate(optax.adam(0.1), 4, axis_name="data")
   with jax.set_mesh(mesh):
-    p = jax.device_put(params, NamedSharding(mesh, P()))
-    state = tx.init(p)
-    batch = jax.device_put(windows_of([16], 1)[0][0], NamedSharding(mesh, P("data")))
+    tx, p, state, batch = adam_window(params, mesh)
     hlo = own_jit_step(tx, True).lower(p, state, batch).compile().as_text()
   found = _hlo.collectives(hlo, N_DEV)
   n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -100,11 +104,8 @@ def test_one_params_sized_all_reduce_per_window_in_the_window_end_branch():
 def test_plain_jax_grad_is_refused_naming_the_leaf_and_ja_grad():
   params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
   mesh = explicit_mesh()
-  tx = ja.accumulate(optax.adam(0.1), 4, axis_name="data")
   with jax.set_mesh(mesh):
-    p = jax.device_put(params, NamedSharding(mesh, P()))
-    state = tx.init(p)
-    batch = jax.device_put(windows_of([16], 1)[0][0], NamedSharding(mesh, P("data")))
+    tx, p, state, batch = adam_window(params, mesh)
 
     @jax.jit
     def step(p, s, b):

@@ -401,6 +401,11 @@ def _ja_step(loss, opt, mesh, k, strategy="fsdp", gather=None, data_axis="data")
   )
 
 
+def _wire(collectives: dict) -> float:
+  """Ring bytes sent per device per step, over every kind of collective."""
+  return sum(v["bytes"] for v in collectives.values())
+
+
 def _mib(b) -> str:
   return f"{b / 2**20:.2f}"
 
@@ -442,7 +447,7 @@ def run(quick: bool = False) -> list[dict]:
     )
     for r in group:
       c = r["collectives"]
-      wire = sum(v["bytes"] for v in c.values())
+      wire = _wire(c)
       lines.append(
         f"| {kind} | {k} | {r['case']} | {_mib(r['peak_bytes'])} | {r['peak_bytes'] / floor_bytes:.2f} "
         f"| {r['peak_bytes'] / tight:.2f} | {r['peak_bytes'] / ref['peak_bytes']:.2f} | {_counts(c)} "
@@ -456,8 +461,8 @@ def run(quick: bool = False) -> list[dict]:
       data[f"ratio_{tag}_vs_floor_peak/{kind}/K={k}"] = r["peak_bytes"] / floor_bytes
       data[f"ratio_{tag}_vs_tight_floor_peak/{kind}/K={k}"] = r["peak_bytes"] / tight
       data[f"ratio_{tag}_vs_plain_jit_peak/{kind}/K={k}"] = r["peak_bytes"] / best["peak_bytes"]
-      r_wire = sum(v["bytes"] for v in r["collectives"].values())
-      best_wire = min(sum(v["bytes"] for v in q["collectives"].values()) for q in plain)
+      r_wire = _wire(r["collectives"])
+      best_wire = min(_wire(q["collectives"]) for q in plain)
       data[f"ratio_{tag}_vs_plain_jit_wire/{kind}/K={k}"] = r_wire / best_wire
   out = [
     {
@@ -484,7 +489,7 @@ def run(quick: bool = False) -> list[dict]:
   ]
   for r in srows:
     c = r["collectives"]
-    wire = sum(v["bytes"] for v in c.values())
+    wire = _wire(c)
     lines.append(
       f"| {r['case']} | {_mib(r['params_per_device'])} | {_mib(r['state_per_device'])} "
       f"| {_mib(r['argument_bytes'])} | {_mib(r['temp_bytes'])} | {_mib(r['peak_bytes'])} "

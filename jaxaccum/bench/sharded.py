@@ -264,6 +264,11 @@ def naive_table(sizes=(64, 512, 512, 512, 8), ks=(1, 4, 16), rows_per_device=16)
   return out
 
 
+def _listed(collectives: dict) -> str:
+  """ "2 all-gather, 1 reduce-scatter": how many of each collective, sorted by name."""
+  return ", ".join(f"{v} {k}" for k, v in sorted(collectives.items()))
+
+
 def run(quick: bool = False) -> list[dict]:
   sizes = (64, 128, 128, 8) if quick else (64, 512, 512, 512, 8)
   ks = (1, 4) if quick else (1, 4, 16)
@@ -281,18 +286,12 @@ def run(quick: bool = False) -> list[dict]:
     "| ring bytes / device |",
     "|---|---:|---:|---:|---:|---|---:|",
   ]
-  for r in rows:
-    colls = ", ".join(f"{v} {k}" for k, v in sorted(r["collectives"].items()))
+  for r, temp, calls in [(r, r["temp_bytes"], False) for r in rows] + [(r, "", True) for r in naive]:
+    # The optax patterns' rows: K calls per update, or a jit whose loop holds the collectives.
+    where = " (K calls)" if calls and not r["case"].startswith("jit") else f" ({r['in_loop']} inside the loop)"
     lines.append(
       f"| {r['case']} | {r['K']} | {r['params_bytes'] / total:.3f} N | {r['state_bytes'] / (2 * total):.3f} x 2N "
-      f"| {r['temp_bytes']} | {colls} ({r['in_loop']} inside the loop) | {r['ring_bytes'] / total:.2f} N |"
-    )
-  for r in naive:
-    colls = ", ".join(f"{v} {k}" for k, v in sorted(r["collectives"].items()))
-    where = f" ({r['in_loop']} inside the loop)" if r["case"].startswith("jit") else " (K calls)"
-    lines.append(
-      f"| {r['case']} | {r['K']} | {r['params_bytes'] / total:.3f} N | {r['state_bytes'] / (2 * total):.3f} x 2N "
-      f"| | {colls}{where} | {r['ring_bytes'] / total:.2f} N |"
+      f"| {temp} | {_listed(r['collectives'])}{where} | {r['ring_bytes'] / total:.2f} N |"
     )
   lines += [
     "",
@@ -307,7 +306,7 @@ def run(quick: bool = False) -> list[dict]:
     "|---|---|---|---:|---:|---:|",
   ]
   for r in tp:
-    colls = ", ".join(f"{v} {k}" for k, v in sorted(r["collectives"].items()))
+    colls = _listed(r["collectives"])
     n = r["param_bytes"]
     lines.append(
       f"| {r['case']} | {r['mesh']} | {colls} | {r['data_ring_bytes'] / n:.3f} N | {r['ideal_ring_bytes'] / n:.3f} N "
