@@ -80,7 +80,7 @@ def wire_mean(xs: list, axis_name, replicas: int, compress, comm_dtype):
     bounds = np.cumsum([0] + [a.shape[0] for a in absmax])
     scales = [
       per_element(shared[lo:hi].astype(x.dtype) / qmax, x.shape)
-      for x, lo, hi in zip(xs, bounds, bounds[1:], strict=True)
+      for x, lo, hi in zip(xs, bounds[:-1], bounds[1:], strict=True)
     ]
     codes = [quantize(x, s, qmax) for x, s in zip(xs, scales, strict=True)]
     wide = code_sum_dtype(qmax, replicas)
