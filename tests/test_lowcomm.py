@@ -3,6 +3,7 @@
 import collections
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -683,7 +684,7 @@ def test_streaming_collectives_do_not_depend_on_that_updates_gradient():
     tainted = set(inner.invars[n_params + n_state :])  # the gradient inputs
     found = []
     for eqn in inner.eqns:
-      hit = any(not isinstance(v, jax.core.Literal) and v in tainted for v in eqn.invars)
+      hit = any(not isinstance(v, jax.extend.core.Literal) and v in tainted for v in eqn.invars)
       if hit:
         tainted.update(eqn.outvars)
       if eqn.primitive.name == "cond" and any(_has_collective(b.jaxpr) for b in eqn.params["branches"]):
@@ -698,7 +699,7 @@ def test_streaming_collectives_do_not_depend_on_that_updates_gradient():
 def _walk(jaxpr):
   for eqn in jaxpr.eqns:
     yield eqn
-    for sub in jax.core.jaxprs_in_params(eqn.params):
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       yield from _walk(sub)
 
 
