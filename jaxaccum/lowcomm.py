@@ -252,7 +252,7 @@ def _check_alpha(alpha) -> float:
   return float(alpha)
 
 
-def diloco_prepare(anchor: list, source: list, residual, axis_name, replicas: int, compress=None, comm_dtype=None):
+def _diloco_prepare(anchor: list, source: list, residual, axis_name, replicas: int, compress=None, comm_dtype=None):
   """One fragment's outer gradient on the wire, per replica: (Delta, new residual or None).
 
   x_p = anchor - source_p (+ residual_p); c_p = C(x_p); Delta = mean_p c_p as
@@ -267,7 +267,7 @@ def diloco_prepare(anchor: list, source: list, residual, axis_name, replicas: in
   return delta, None if residual is None else [v - c for v, c in zip(x, sent, strict=True)]
 
 
-def diloco_merge(outer, delta, outer_state, anchor, params: list, local_updates: list, alpha: float, like):
+def _diloco_merge(outer, delta, outer_state, anchor, params: list, local_updates: list, alpha: float, like):
   """One fragment's merge: (updates to emit, new anchor, new outer state).
 
   (o, outer_state) = outer.update(Delta, outer_state, anchor); anchor += o;
@@ -457,7 +457,7 @@ def diloco(
 
         def send(ops):
           anchor, source, resid, _ = ops
-          return diloco_prepare(anchor, source, resid, axis_name, size, compress, comm_dtype)
+          return _diloco_prepare(anchor, source, resid, axis_name, size, compress, comm_dtype)
 
         def wait(ops):
           *_, resid, flight = ops
@@ -479,8 +479,8 @@ def diloco(
         params_f, local_f, anchor_f, ostate, flight, resid = ops
         if not delay:
           source = [p + u.astype(p.dtype) for p, u in zip(params_f, local_f, strict=True)]
-          flight, resid = diloco_prepare(anchor_f, source, resid, axis_name, size, compress, comm_dtype)
-        upd, anchor_f, ostate = diloco_merge(outer, flight, ostate, anchor_f, params_f, local_f, alpha, like)
+          flight, resid = _diloco_prepare(anchor_f, source, resid, axis_name, size, compress, comm_dtype)
+        upd, anchor_f, ostate = _diloco_merge(outer, flight, ostate, anchor_f, params_f, local_f, alpha, like)
         return upd, anchor_f, ostate, resid
 
       def hold(ops):
