@@ -489,15 +489,15 @@ def diloco(
         return _zeros_like(local_f), anchor_f, ostate, resid
 
       pred = step == (f + 1) * span
-      ops = (
+      merge_ops = (
         pick(params, f),
         pick(local, f),
         pick(state.anchor, f),
         outer_state[f],
-        None if not delay else [x for x, i in zip(flight_l, index, strict=True) if i == f],
-        None if resid_l is None else [x for x, i in zip(resid_l, index, strict=True) if i == f],
+        None if flight_l is None else pick(flight_l, f),
+        None if resid_l is None else pick(resid_l, f),
       )
-      upd, anchor_f, outer_state[f], resid = run(pred, sync, hold, ops)
+      upd, anchor_f, outer_state[f], resid = run(pred, sync, hold, merge_ops)
       # A fused select, not the local update passed through the branch (XLA would copy it).
       updates_l = put(updates_l, f, [jnp.where(pred, a, b) for a, b in zip(upd, pick(local, f), strict=True)])
       anchor_l = put(anchor_l, f, anchor_f)

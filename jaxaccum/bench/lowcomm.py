@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -154,8 +155,8 @@ def _streaming(params, batch, ndev, param_bytes, depth, width, quick) -> dict:
   """Streaming DiLoCo: per configuration, the collectives and ring bytes of one period, from HLO."""
   h = 16
   nesterov = optax.sgd(0.7, momentum=0.9, nesterov=True)
-  stream = dict(fragments=4, delay=1, alpha=0.5)
-  configs = {
+  stream: dict[str, Any] = dict(fragments=4, delay=1, alpha=0.5)
+  configs: dict[str, dict[str, Any]] = {
     "plain (F=1, tau=0)": {},
     "F=4 tau=1 alpha=0.5": stream,
     "+ bf16": dict(stream, compress="bf16"),
