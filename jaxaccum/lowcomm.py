@@ -359,8 +359,8 @@ def diloco(
       the average comes back in the parameters' dtype.
     fragments: F, an int >= 1 that splits the leaves, in `jax.tree.leaves`
       order, into F contiguous groups as `numpy.array_split` does; or
-      `fn(path, leaf) -> index` (called at init and update) using every index
-      0..F-1.
+      `fn(path, leaf) -> index` (called at init and update), F = the largest
+      index + 1, every index 0..F-1 used.
     delay: tau, an int in [0, H / F): updates between preparing and merging.
     alpha: the weight of the local parameters in a merge, in [0, 1]: 0
       replaces the fragment by the anchor, 1 keeps the local values.
