@@ -196,7 +196,7 @@ def _streaming(params, batch, ndev, param_bytes, depth, width, quick) -> dict:
       "plus one float32 max-all-reduce of the block scales per fragment.",
       "",
       "| configuration | collectives per period | MiB per period (compiled) | ratio | MiB per period (lowered) "
-      "| ratio | KiB per fragment sync (lowered) |",
+      "| ratio | mean KiB per fragment sync (lowered) |",
       "|---|---|---|---|---|---|---|",
       *rows,
     ]
