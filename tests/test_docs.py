@@ -158,8 +158,8 @@ class _Net(nn.Module):
         return nn.Dense(10)(x)
 
 model = _Net()
-loader = [dict(b, y=jnp.arange(8) % 10) for b in loader]
-batch = dict(batch, y=jnp.arange(64) % 10)
+loader = [dict(b, y=jnp.arange(len(b["x"])) % 10) for b in loader]
+batch = dict(batch, y=jnp.arange(len(batch["x"])) % 10)
 """
 
 
@@ -208,7 +208,8 @@ metrics_of = lambda logits, labels: {"accuracy": jnp.mean(jnp.argmax(logits, -1)
     1: "import flax.linen as nn\nbatch = dict(batch, y=jnp.arange(64) % 10)\nmodel = nn.Dense(10)\n"
     + "params = model.init(jax.random.key(0), batch['x'])\n"
     + "batch = {'image': batch['x'], 'label': batch['y']}",
-    2: "params = jnp.ones((4, 3))\nbatch = _batch(jax.random.key(0), 64)\nx_tm, y = batch['x'].T, batch['y']",
+    2: "params = jnp.ones((4,))\nbatch = dict(_batch(jax.random.key(0), 64))\nbatch['y'] = batch['y'][:, 0]\n"
+    + "x_tm, y = batch['x'].T, batch['y']",  # a linear model on a vector of 4 weights
     3: "loss_fn = world_loss\nparams = {'w': 0.1 * jnp.ones((4, 3)), 'b': jnp.zeros((3,))}",
     4: _EXPLICIT + "tx = optax.adam(1e-3)",
   },
