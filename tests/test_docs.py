@@ -210,7 +210,8 @@ metrics_of = lambda logits, labels: {"accuracy": jnp.mean(jnp.argmax(logits, -1)
     + "batch = {'image': batch['x'], 'label': batch['y']}",
     2: "params = jnp.ones((4,))\nbatch = dict(_batch(jax.random.key(0), 64))\nbatch['y'] = batch['y'][:, 0]\n"
     + "x_tm, y = batch['x'].T, batch['y']",  # a linear model on a vector of 4 weights
-    3: "loss_fn = world_loss\nparams = {'w': 0.1 * jnp.ones((4, 3)), 'b': jnp.zeros((3,))}",
+    3: "loss_fn = world_loss\nparams = {'w': 0.1 * jnp.ones((4, 3)), 'b': jnp.zeros((3,))}\n"
+    + "batch = _batch(jax.random.key(0), 64)",
     4: _EXPLICIT + "tx = optax.adam(1e-3)",
   },
   "docs/guides/noise.md": {0: "grads = jax.grad(loss_fn)(params, batch)\nnum_examples = batch['mask'].sum()"},
@@ -258,6 +259,8 @@ class Net(eqx.Module):
 
     def __call__(self, x, state):
         return self.norm(self.linear(x), state)
+
+batch = _batch(jax.random.key(0), 32)
 """,
     5: "microbatches = [_batch(jax.random.key(20 + i), 4) for i in range(3)]\nloss_fn = world_loss",
     6: "loss_fn = world_loss\nparams = {'w': 0.1 * jnp.ones((4, 3)), 'b': jnp.zeros((3,))}\n"
