@@ -255,7 +255,7 @@ class Net(eqx.Module):
 
     def __init__(self, key):
         self.linear = eqx.nn.Linear(4, 3, key=key)
-        self.norm = eqx.nn.BatchNorm(3, axis_name="batch")
+        self.norm = eqx.nn.BatchNorm(3, axis_name="batch", mode="ema")
 
     def __call__(self, x, state):
         return self.norm(self.linear(x), state)
