@@ -213,6 +213,7 @@ metrics_of = lambda logits, labels: {"accuracy": jnp.mean(jnp.argmax(logits, -1)
     3: "loss_fn = world_loss\nparams = {'w': 0.1 * jnp.ones((4, 3)), 'b': jnp.zeros((3,))}\n"
     + "batch = _batch(jax.random.key(0), 64)",
     4: _EXPLICIT + "tx = optax.adam(1e-3)",
+    5: "batch = _batch(jax.random.key(0), 64)",  # on no mesh again
   },
   "docs/guides/noise.md": {0: "grads = jax.grad(loss_fn)(params, batch)\nnum_examples = batch['mask'].sum()"},
   "docs/guides/own-jit.md": {0: _EXPLICIT, 1: "optimizer = optax.adam(1e-3)"},
@@ -262,7 +263,8 @@ class Net(eqx.Module):
 
 batch = _batch(jax.random.key(0), 32)
 """,
-    5: "microbatches = [_batch(jax.random.key(20 + i), 4) for i in range(3)]\nloss_fn = world_loss",
+    5: "microbatches = [_batch(jax.random.key(20 + i), 4) for i in range(3)]\nloss_fn = world_loss\n"
+    + "params = {'w': 0.1 * jnp.ones((4, 3)), 'b': jnp.zeros((3,))}\nopt_state = optax.adam(1e-3).init(params)",
     6: "loss_fn = world_loss\nparams = {'w': 0.1 * jnp.ones((4, 3)), 'b': jnp.zeros((3,))}\n"
     + "batch = _batch(jax.random.key(0), 64)",
   },
