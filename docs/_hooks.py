@@ -24,7 +24,9 @@ def public_api(init: pathlib.Path = PACKAGE) -> tuple[list[tuple[str, list[str]]
   origin: dict[str, str] = {}
   submodules: set[str] = set()
   names: list[str] = []
-  for node in tree.body:
+  # Top-level statements and those under a top-level `if` (`if TYPE_CHECKING:` names the lazy submodules).
+  body = [n for top in tree.body for n in (top.body if isinstance(top, ast.If) else [top])]
+  for node in body:
     if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxaccum"):
       for alias in node.names:
         if node.module == "jaxaccum":

@@ -1,9 +1,16 @@
 """jaxaccum: exact, cheap gradient accumulation, microbatching and data-parallel averaging.
 
 Public names only; every one lives in the module named after its concept.
+
+`ja.checkpoint` and `ja.flax` are imported on first use (PEP 562): they load orbax-checkpoint and
+flax.nnx, which cost more to import than jax and optax together and which a script that neither
+checkpoints nor uses Flax never needs.
 """
 
-from jaxaccum import checkpoint, flax, schedules
+import importlib
+from typing import TYPE_CHECKING
+
+from jaxaccum import schedules
 from jaxaccum.accumulate import AccumulateState, accumulate, has_updated
 from jaxaccum.distributed import fail_fast
 from jaxaccum.lowcomm import diloco, local_sgd, stale
@@ -63,6 +70,24 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_LAZY_SUBMODULES = ("checkpoint", "flax")
+
+if TYPE_CHECKING:  # type checkers and IDEs see the submodules as plain attributes
+  from jaxaccum import checkpoint, flax
+
+
+def __getattr__(name: str):
+  if name in _LAZY_SUBMODULES:
+    module = importlib.import_module(f"jaxaccum.{name}")  # binds jaxaccum.<name>: later lookups skip this
+    globals()[name] = module
+    return module
+  raise AttributeError(f"module 'jaxaccum' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+
 
 # Your own jit step on an Explicit mesh (issue 19): gradients left unreduced over the data axis.
 from jaxaccum.grad import grad, value_and_grad  # noqa: E402  (the function shadows the submodule's name)

@@ -350,6 +350,7 @@ def _leftovers(directory, keep):
   return sorted(n for n in os.listdir(directory) if n not in keep and not n.startswith("go"))
 
 
+@pytest.mark.slow  # two worker processes saving at once
 def test_concurrent_saves_to_one_path_leave_one_complete_checkpoint_and_every_process_exits(tmp_path):
   """Two processes saving to the same paths at once (before: they deleted each other's temporary directory, so
   a loser raised from inside orbax and could hang at exit, or the winner published a checkpoint failing

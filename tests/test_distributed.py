@@ -16,6 +16,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "_fail_fast_worker.py")
 TIMEOUT_S = 120
 
 
+@pytest.mark.slow  # two 2-process jax.distributed jobs
 def test_one_failing_process_ends_the_job_within_the_heartbeat_timeout(tmp_path):
   """Two 2-process jobs on 127.0.0.1 (gloo), run at once. In each, one process raises after a first collective
   while the other waits for it forever. Without fail_fast the failed process would wait at jax.distributed's

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each example is a subprocess that compiles its own steps
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--mode", "all", "--x64", "--steps", "2", "--batch-size", "32", "--k", "2"]  # 8 devices x K=2 x 2 rows
 EXAMPLES = {

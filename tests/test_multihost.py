@@ -12,7 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from _multihost import free_port, run_workers, worker_env
+
+pytestmark = pytest.mark.slow  # worker processes under jax.distributed (pytest -m slow; .ci/run)
 
 WORKER = os.path.join(os.path.dirname(__file__), "_multihost_worker.py")
 TIMEOUT_S = 120

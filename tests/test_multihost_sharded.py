@@ -57,6 +57,7 @@ def results(tmp_path_factory):
   }
 
 
+@pytest.mark.slow  # the two worker processes (the `results` fixture)
 @pytest.mark.parametrize("name", [name for name, _, _ in worker.RUNS])
 def test_two_processes_equal_one(results, name):
   want_params, want_state, want_losses, want_weight = reference()
@@ -80,6 +81,7 @@ def test_two_processes_equal_one(results, name):
     np.testing.assert_array_equal(got["weights"], np.full(worker.STEPS, want_weight))
 
 
+@pytest.mark.slow  # the two worker processes (the `results` fixture)
 @pytest.mark.parametrize("name", [name for name, _, _ in worker.RUNS])
 def test_per_device_bytes(results, name):
   """What one device holds: zero1 replicates params and shards state 4 ways; fsdp shards both 4 ways;

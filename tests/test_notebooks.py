@@ -32,6 +32,7 @@ def test_notebook_is_stored_clean_with_badge_and_install_cell(path):
       assert not cell.outputs and cell.execution_count is None, f"{path.name} is stored with outputs"
 
 
+@pytest.mark.slow  # a kernel per notebook, every cell executed
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path, tmp_path, monkeypatch):
   monkeypatch.setenv("MPLBACKEND", "Agg")

@@ -18,6 +18,8 @@ import sysconfig
 import venv
 import zipfile
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -48,6 +50,7 @@ def _wheel(tmp_path) -> pathlib.Path:
   return wheel
 
 
+@pytest.mark.slow  # builds a wheel (pip) and imports it from a fresh venv
 def test_wheel_installs_in_a_fresh_venv_and_imports(tmp_path):
   wheel = _wheel(tmp_path)
   names = set(zipfile.ZipFile(wheel).namelist())
