@@ -400,20 +400,26 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
   grads = jax.tree.map(lambda g, p: g.astype(_tree.dtype_of(p)), grads, params)  # as plain optax would see them
   # NaN (an invalid weight) compares False too; a non-finite mean gradient never reaches the parameters.
   applied = (total > 0) & _tree.all_finite(grads)
-  piece, specs = params, None
+  to_piece, specs = (lambda tree: tree), None
   if layouts is not None:
-    piece = jax.tree.map(lambda x, lay: sharded._place(x, mesh, lay.opt_spec), params, layouts)
+    to_piece = lambda tree: jax.tree.map(lambda x, lay: sharded._place(x, mesh, lay.opt_spec), tree, layouts)
     specs = sharded.state_specs(opt_state, params, layouts, mesh, cfg.plan)
     place = lambda tree: jax.tree.map(lambda x, s: sharded._place(x, mesh, s), tree, specs, is_leaf=_is_spec)
     opt_state = place(opt_state)  # a replicated state given to zero1 comes back in zero1's layout
   new_state = out.pop("state", state)
 
+  # Each branch takes its slice of the parameters (zero1's is 1/P of the replicated ones): taken
+  # before the conditional, the slice would be one more buffer alive beside the branch's result.
   def update(ops):
-    piece, opt_state, state, new_state = ops
+    params, opt_state, state, new_state = ops
+    piece = to_piece(params)
     updates, opt_state = cfg.optimizer.update(grads, opt_state, piece)
     return optax.apply_updates(piece, updates), opt_state, new_state
 
-  ops = (piece, opt_state, state, new_state)
+  def keep(ops):
+    return to_piece(ops[0]), ops[1], ops[2]
+
+  ops = (params, opt_state, state, new_state)
   if cfg.always_apply:  # the bench's and tests' twin: the same step with no skip, for its memory
     new_piece, new_opt, new_state = update(ops)
   else:
@@ -421,7 +427,7 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
     # optimizer state alive together (up to 1.3x the per-device peak); in a conditional XLA updates
     # them in place. The update's collectives (the partitioner's all-reduces of clip_by_global_norm's
     # or lamb's norms over sharded state) run inside the branch, as in ja.accumulate.
-    new_piece, new_opt, new_state = parallel.cond(applied, update, lambda ops: ops[:3], ops)
+    new_piece, new_opt, new_state = parallel.cond(applied, update, keep, ops)
   new_opt = _tree.cast_like(new_opt, opt_state)  # the dtypes optimizer.init gave: no retrace
   if layouts is not None:
     new_opt = place(new_opt)
