@@ -773,3 +773,29 @@ def test_sampled_noise_scale_bad_input():
   with pytest.raises(ValueError, match=r"noise_scale_sample=2 samples the noise-scale measurement, which is off"):
     ja.accumulate(optax.sgd(0.1), 4, noise_scale_sample=2)
   assert ja.accumulate(optax.sgd(0.1), 4, noise_scale_ema=0.9).init({"w": jnp.zeros(2)}).noise_stats[-1] is None
+
+
+def test_sampled_noise_scale_on_8_devices_samples_each_devices_first_microbatch():
+  n_dev, k, windows = 8, 3, 20
+  rng = np.random.default_rng(0)
+  sizes = rng.integers(1, 12, size=(n_dev, k)).astype(float)  # (device, microbatch)
+  g_true = jnp.full((D,), 1.0 / np.sqrt(D)).at[0].add(0.5)
+  grads = synthetic_microbatch_grads(jax.random.PRNGKey(4), windows, sizes.reshape(-1).astype(int), g_true)
+  grads = np.asarray(grads).reshape(windows, n_dev, k, D)
+  tx = ja.accumulate(optax.set_to_zero(), k, axis_name="data", noise_scale_ema=0.9, noise_scale_sample=1)
+  params = {"theta": jnp.zeros(D)}
+  step = jax.pmap(lambda s, g, w: tx.update({"theta": g}, s, params, weight=w)[1], axis_name="data")
+  state = jax.tree.map(lambda a: jnp.stack([a] * n_dev), tx.init(params))
+  for w_i in range(windows):
+    for i in range(k):
+      state = step(state, jnp.asarray(grads[w_i, :, i]), jnp.asarray(sizes[:, i]))
+  # The plain reference: S = microbatch 0 of every device, the window = all 24 microbatches.
+  b, big_b, b_s = sizes, sizes.sum(), sizes[:, 0].sum()
+  s1 = np.einsum("p,wpd,wpd->w", b[:, 0], grads[:, :, 0], grads[:, :, 0]) / b_s
+  mean = np.einsum("pk,wpkd->wd", b, grads) / big_b
+  s2 = np.einsum("wd,wd->w", mean, mean)
+  ref_tr = (s1 - s2) / (n_dev / b_s - 1 / big_b)
+  ref_g2 = s2 - ref_tr / big_b
+  measured = noise.noise_scale(state)
+  np.testing.assert_allclose(np.asarray(measured.grad_sq), plain_ema(ref_g2, 0.9), rtol=1e-10)
+  np.testing.assert_allclose(np.asarray(measured.trace_cov), plain_ema(ref_tr, 0.9), rtol=1e-10)
