@@ -861,7 +861,7 @@ def _checked_total(wsum, ok, *, none_real: bool = False):
       )
     if float(total) == 0 and not none_real:
       raise ValueError(
-        "every microbatch that runs has weight 0 (weight_fn gave 0 for all of them: the batch is all "
+        "every microbatch has weight 0 (weight_fn gave 0 for all of them: the batch is all "
         "padding?), so there is nothing to average"
       )
   return total
