@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -157,11 +158,22 @@ def leading_size(batches, name: str = "batch") -> int:
 
 
 def batch_size(batches: tuple, axes: tuple[int, ...], name: str = "batch") -> int:
-  """The batch size shared by every batch argument along its batch axis (`leading_size` per argument)."""
+  """The batch size shared by every batch argument along its batch axis (`leading_size` per argument).
+
+  An axis counts from the end when negative (as `jax.vmap`'s `in_axes`), leaf by
+  leaf; one out of range for a leaf is a ValueError naming the argument, the
+  leaf and its shape.
+  """
   if all(a == 0 for a in axes):
     return leading_size(batches if len(batches) > 1 else batches[0], name)
   sizes = {}
   for j, (b, a) in enumerate(zip(batches, axes, strict=True)):
+    for path, x in jax.tree_util.tree_leaves_with_path(b):
+      if not -jnp.ndim(x) <= a < jnp.ndim(x):
+        raise ValueError(
+          f"in_axes={a} is out of range for {name} argument {j}{jax.tree_util.keystr(path)} of shape "
+          f"{jnp.shape(x)}: its batch axis must be one of {-jnp.ndim(x)}, ..., {jnp.ndim(x) - 1}"
+        )
     moved = jax.tree.map(lambda x, a=a: _BatchAxis(x, a), b)
     sizes[leading_size(moved, f"{name} argument {j}")] = j
   if len(sizes) > 1:
@@ -174,8 +186,6 @@ class _BatchAxis:
   """A leaf seen with its batch axis first (shape and ndim only), for `leading_size`."""
 
   def __init__(self, x, axis):
-    if not -jnp.ndim(x) <= axis < jnp.ndim(x):
-      raise ValueError(f"in_axes={axis} is out of range for a batch leaf of shape {jnp.shape(x)}")
     shape = list(jnp.shape(x))
     self.shape = (shape.pop(axis),) + tuple(shape)
     self.ndim = len(self.shape)
@@ -300,7 +310,8 @@ def microbatch(
     argnames: keyword argument(s) of the wrapped call holding batches, split
       like the positional ones (as `optax.microbatching.microbatch`'s).
     in_axes: the batch axis of each batch argument: an int for all of them, or
-      one int per batch argument (`batch_argnums` first, then `argnames`).
+      one int per batch argument (`batch_argnums` first, then `argnames`); a
+      negative axis counts from the end of each leaf, as in `jax.vmap`.
       Microbatch i takes entries i, i+K, ... along that axis (a free reshape);
       `fun` sees the axis where it was. "concat" outputs are returned with
       their rows on axis 0.
@@ -339,6 +350,8 @@ def microbatch(
       either (and makes the total weight NaN, as without the option).
     num_real_microbatches: None (all K are real), or n (an int in [0, K] or a
       scalar array, traced or not): only microbatches 0..n-1 run and count.
+      n = 0 runs none: every mean and sum is 0 and the total weight 0, called
+      eagerly as under jit (and as in optax), not the all-padding error.
 
   Returns:
     A function with `fun`'s signature and output structure (a pair with the
@@ -407,18 +420,21 @@ def microbatch(
 
     ws = weights(sp, weight_fn, num_real_microbatches)
     skip = skip_empty or num_real_microbatches is not None
+    # num_real_microbatches=0 asks for nothing: zeros (total weight 0) eagerly too, as under jit and in optax.
+    none_real = num_real_microbatches is not None and _tree.is_concrete(num_real_microbatches)
+    none_real = none_real and int(num_real_microbatches) == 0
     sums = local_sums(run, sp, ws, reductions=reductions, accumulator_dtype=accumulator_dtype, skip=skip)
     # Partial sums (ja.grad's, without axis_name) are divided in `finish`, by a reduced reciprocal.
     has_partial_sums = any(_unreduced.axes_of(s) for s in jax.tree.leaves(sums.like))
     if own_jit:
-      out, total = finish(_reduce_partial_sums(sums, axis_name), None)
+      out, total = finish(_reduce_partial_sums(sums, axis_name), None, none_real=none_real)
     elif sums.single is not None and axis_name is None and not has_partial_sums:
       # One microbatch is its own mean (exactly: no w*o/w rounding), its own sum and its own last.
-      total = _checked_total(sums.wsum, sums.ok)
+      total = _checked_total(sums.wsum, sums.ok, none_real=none_real)
       leaves, treedef = jax.tree.flatten(sums.single)
       out = jax.tree.unflatten(treedef, [_single(o, r, total) for o, r in zip(leaves, sums.reds, strict=True)])
     else:
-      out, total = finish(sums, axis_name)
+      out, total = finish(sums, axis_name, none_real=none_real)
     return (out, total) if return_total_weight else out
 
   return wrapped
@@ -438,15 +454,25 @@ class Split(NamedTuple):
   def take(self, i) -> tuple:
     """Microbatch i (rows i, i + K, ...) of every batch argument."""
     return tuple(
-      jax.tree.map(lambda x, a=a: lax.dynamic_index_in_dim(x, i, axis=a + 1, keepdims=False), v)
+      jax.tree.map(lambda x, a=a: lax.dynamic_index_in_dim(x, i, axis=_k_axis(a), keepdims=False), v)
       for v, a in zip(self.views, self.axes, strict=True)
     )
+
+
+def _k_axis(a: int) -> int:
+  """Where a view holds the microbatch index for batch axis `a`: after the (size / K) axis, counted from the end
+  when `a` is (axis -1 of a leaf becomes (size / K, K) at -2, -1 of its view)."""
+  return a + 1 if a >= 0 else a
 
 
 def split(batches: tuple, axes: tuple[int, ...], k: int, name: str = "batch") -> Split:
   """Views each batch argument as (size / K, K) on its batch axis: a free reshape, rows stay on their devices.
 
   Row r = j K + i lands at [j, i], so index i on the new axis is microbatch i.
+  A negative axis counts from the end of each leaf. A leaf whose batch axis is
+  typed as sharded over D devices (an Explicit mesh) needs size / K divisible
+  by D (each microbatch keeps the batch's sharding); otherwise a ValueError
+  names K, the rows and the devices.
   """
   size = batch_size(batches, axes, name)
   if size % k:
@@ -454,10 +480,44 @@ def split(batches: tuple, axes: tuple[int, ...], k: int, name: str = "batch") ->
 
   def view(x, a):
     shape = jnp.shape(x)
+    a = a % len(shape)  # in range: batch_size checked it
+    _check_rows_per_device(x, a, size, k, name)
     return jnp.reshape(x, shape[:a] + (size // k, k) + shape[a + 1 :])
 
   views = tuple(jax.tree.map(lambda x, a=a: view(x, a), b) for b, a in zip(batches, axes, strict=True))
   return Split(views, axes, k, size // k)
+
+
+def _check_rows_per_device(x, a: int, size: int, k: int, name: str) -> None:
+  """Refuses, naming K, the rows and the devices, a split whose microbatches cannot keep x's typed sharding.
+
+  Microbatch i holds rows i, i + K, ...: on a batch sharded over D devices of
+  an Explicit mesh, its size / K rows are spread as the batch's are, so each
+  device holds (size / K) / D of them, which must be whole. JAX's reshape
+  would otherwise fail with a ShardingTypeError that names neither.
+  """
+  sharding = _typed_spec(jax.typeof(x))
+  if sharding is None:
+    return
+  spec = tuple(sharding.spec) + (None,) * (jnp.ndim(x) - len(sharding.spec))
+  entry = spec[a]
+  names = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+  devices = math.prod(sharding.mesh.shape[n] for n in names)
+  rows = size // k
+  if devices <= 1 or rows % devices == 0:
+    return
+  per_device = size // devices
+  fits = [d for d in range(1, per_device + 1) if per_device % d == 0]
+  below = max(d for d in fits if d < k)
+  above = [d for d in fits if d > k]
+  hint = f"num_microbatches={below}" + (f" or {above[0]}" if above else "")
+  axes = names[0] if len(names) == 1 else names
+  raise ValueError(
+    f"num_microbatches={k} splits the {name}'s {size} rows into microbatches of {rows} rows, but the {name} is "
+    f"sharded over the {devices} devices of mesh axis {axes!r} and a microbatch keeps that sharding: {rows} rows "
+    f"do not divide among {devices} devices. Use a num_microbatches that divides the {per_device} rows per device "
+    f"(e.g. {hint}), or a batch of a multiple of {k * devices} rows."
+  )
 
 
 def weights(sp: Split, weight_fn, num_real=None) -> jax.Array:
@@ -474,7 +534,7 @@ def weights(sp: Split, weight_fn, num_real=None) -> jax.Array:
         raise TypeError(f"weight_fn must return a real number, got dtype {w.dtype}")
       return w
 
-    ws = jax.vmap(one, in_axes=tuple(a + 1 for a in sp.axes))(*sp.views)
+    ws = jax.vmap(one, in_axes=tuple(_k_axis(a) for a in sp.axes))(*sp.views)
   if num_real is not None:
     ws = jnp.where(jnp.arange(sp.k) < num_real, ws, jnp.zeros((), ws.dtype))
   return ws
@@ -786,8 +846,12 @@ def _wdtype(leaves, reds, override) -> jnp.dtype:
   )
 
 
-def _checked_total(wsum, ok):
-  """The total weight, NaN when some weight was invalid; a ValueError when concrete and unusable."""
+def _checked_total(wsum, ok, *, none_real: bool = False):
+  """The total weight, NaN when some weight was invalid; a ValueError when concrete and unusable.
+
+  `none_real`: the caller asked for no microbatch (`num_real_microbatches=0`), so a total of 0 is the answer
+  (zeros, as under jit and as optax gives), not an all-padding batch.
+  """
   total = jnp.where(ok, wsum, jnp.full((), jnp.nan, wsum.dtype))
   if _tree.is_concrete(total):
     if not bool(ok):
@@ -795,7 +859,7 @@ def _checked_total(wsum, ok):
         "weight_fn returned a negative or non-finite weight for a microbatch: weights "
         "must be finite and >= 0 (e.g. the number of real rows or tokens)"
       )
-    if float(total) == 0:
+    if float(total) == 0 and not none_real:
       raise ValueError(
         "every microbatch has weight 0 (weight_fn gave 0 for all of them: the batch is all "
         "padding?), so there is nothing to average"
@@ -810,7 +874,7 @@ def _gather_rows(x, axis_name):
   return lax.all_gather(x, axis_name, axis=0, tiled=True)
 
 
-def finish(sums: Sums, axis_name, *, total=None, extra=None):
+def finish(sums: Sums, axis_name, *, total=None, extra=None, none_real: bool = False):
   """`Sums` -> (outputs, total weight): means divided by the total, sums as they are, concat buffers reshaped.
 
   With `axis_name`, one all-reduce of (every mean and sum carry, sum w, bad
@@ -819,7 +883,7 @@ def finish(sums: Sums, axis_name, *, total=None, extra=None):
   `total`: the global total weight when the caller reduced it already (then
   only the carries are reduced). `extra`: more arrays summed over the axis in
   the same all-reduce (make_train_step's replicated gradient leaves); given,
-  the result is `(outputs, total, extra summed)`.
+  the result is `(outputs, total, extra summed)`. `none_real`: see `_checked_total`.
   """
   like_leaves, treedef = jax.tree.flatten(sums.like)
   reds, wsum, ok = sums.reds, sums.wsum, sums.ok
@@ -840,7 +904,7 @@ def finish(sums: Sums, axis_name, *, total=None, extra=None):
       wsum, bad = scalars
       ok = bad == 0
   if total is None:
-    total = _checked_total(wsum, ok)
+    total = _checked_total(wsum, ok, none_real=none_real)
   safe = jnp.where(total == 0, jnp.ones((), total.dtype), total)
   outs = []
   for a, o, r in zip(accs, like_leaves, reds, strict=True):

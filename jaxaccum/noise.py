@@ -38,6 +38,33 @@ tr(Sigma) is per unit of weight, so B_simple is in the units of the weights:
 examples when the weights are example counts, microbatches when every weight
 is 1 (the default of `ja.accumulate`).
 
+Sampling (`ja.accumulate(..., noise_scale_sample=m)`). The squared norm of
+every microbatch is one more read of its gradient per micro-step (XLA:CPU does
+not fuse it with the add into the accumulator). Measuring only a subset S of
+each window's microbatches, |S| of them with weight B_S = sum_{i in S} b_i,
+chosen before their gradients are seen (the first m of weight > 0 on each
+device), keeps the estimates unbiased: with
+
+    S1' = sum_{i in S} b_i |g_i|^2 / B_S:   E S1' = |G|^2 + |S| tr(Sigma) / B_S,
+
+and S2 as above,
+
+    tr(Sigma)^ = (S1' - S2) / (|S| / B_S - 1 / B),
+    |G|^2^     = S2 - tr(Sigma)^ / B,
+
+defined when |S| B > B_S (|S| >= 1 and at least one more microbatch in the
+window). With S every microbatch these are the estimates above. The price is
+variance. For K microbatches of equal size b, Gaussian gradient noise and
+m = |S|, the per-window estimate has
+
+    Var tr(Sigma)^ = [2 tr(Sigma^2) (1/m - 1/K^2) + 4 b G'Sigma G (1/m - 1/K)] / (1 - 1/K)^2,
+
+against 2 tr(Sigma^2) / (K - 1) for m = K (the second term, absent there,
+comes from G + e_i: a subset's mean noise is not the window's). At K = 8,
+m = 1 gives 9x the variance of the first term (3x the spread) plus the
+second; the EMA over windows averages both down. The bench's noise section
+measures bias and spread on a linear regression whose B_simple is known.
+
 Cost: one squared norm per microbatch (fused by XLA into the add into the
 accumulator), one squared norm of the window's mean, and scalars; across
 devices each device sums its own microbatches' sum_i b_i |g_i|^2 and K, and
@@ -101,6 +128,9 @@ class NoiseScaleState(NamedTuple):
   # are per device, like acc_weight), reset lazily like acc_weight.
   acc_sq: jax.Array
   acc_count: jax.Array  # int32 scalar.
+  # With `noise_scale_sample=m`: sum_{i in S} b_i of the window's measured microbatches (acc_sq and acc_count
+  # then cover those only), per device; None otherwise (no leaf: the state of every other user is unchanged).
+  acc_sampled_weight: Any = None
 
 
 def check_decay(decay, name: str = "noise_scale_ema") -> float:
@@ -113,8 +143,24 @@ def check_decay(decay, name: str = "noise_scale_ema") -> float:
   return value
 
 
-def init_state(dtype: Any = jnp.float32) -> NoiseScaleState:
-  """Empty running averages in `dtype` (no window measured yet)."""
+def check_sample(sample, noise_scale_ema) -> int | None:
+  """`noise_scale_sample`: None (every microbatch measured) or m >= 1 microbatches per window, with tracking on."""
+  if sample is None:
+    return None
+  if isinstance(sample, (bool, np.bool_)) or not isinstance(sample, numbers.Integral):
+    raise TypeError(f"noise_scale_sample={sample!r} must be None or an int >= 1")
+  if sample < 1:
+    raise ValueError(f"noise_scale_sample={sample!r} must be None or an int >= 1 (microbatches measured per window)")
+  if noise_scale_ema is None:
+    raise ValueError(
+      f"noise_scale_sample={sample!r} samples the noise-scale measurement, which is off: turn it on with "
+      "noise_scale_ema= (e.g. 0.99)"
+    )
+  return int(sample)
+
+
+def init_state(dtype: Any = jnp.float32, *, sampled: bool = False) -> NoiseScaleState:
+  """Empty running averages in `dtype` (no window measured yet); `sampled`: with `acc_sampled_weight`."""
   # A fresh array per field: a state whose leaves share one buffer cannot be donated.
   return NoiseScaleState(
     windows=jnp.zeros([], jnp.int32),
@@ -123,6 +169,7 @@ def init_state(dtype: Any = jnp.float32) -> NoiseScaleState:
     trace_cov=jnp.zeros([], dtype),
     acc_sq=jnp.zeros([], dtype),
     acc_count=jnp.zeros([], jnp.int32),
+    acc_sampled_weight=jnp.zeros([], dtype) if sampled else None,
   )
 
 
@@ -158,6 +205,37 @@ def window_estimates(weighted_sq: jax.Array, weight: jax.Array, mean_sq: jax.Arr
   trace_cov = weight * (s1 - s2) / safe_km1
   grad_sq = (k * s2 - s1) / safe_km1
   valid = (k >= 2) & (weight > 0) & jnp.isfinite(trace_cov) & jnp.isfinite(grad_sq)
+  zero = jnp.zeros([], dtype)
+  return jnp.where(valid, grad_sq, zero), jnp.where(valid, trace_cov, zero), valid
+
+
+def sampled_window_estimates(sampled_sq, sampled_weight, sampled_count, weight, mean_sq):
+  """Unbiased per-window estimates from a sample S of the window's microbatches (module docstring, "Sampling").
+
+  Args:
+    sampled_sq: sum_{i in S} b_i |g_i|^2 (all devices).
+    sampled_weight: B_S = sum_{i in S} b_i.
+    sampled_count: |S|, the measured microbatches (weight > 0).
+    weight: B = sum_i b_i over the whole window.
+    mean_sq: S2 = |g|^2 of the window's mean.
+
+  Returns:
+    (grad_sq, trace_cov, valid) as `window_estimates`: valid when |S| B > B_S
+    (a spread to measure), B_S > 0 and both estimates finite.
+  """
+  dtype = sampled_sq.dtype
+  weight = weight.astype(dtype)
+  b_s = sampled_weight.astype(dtype)
+  m = sampled_count.astype(dtype)
+  ok = (m >= 1) & (b_s > 0) & (weight > 0) & (m * weight > b_s)
+  one = jnp.ones([], dtype)
+  safe_b_s = jnp.where(ok, b_s, one)
+  safe_weight = jnp.where(ok, weight, one)
+  denom = jnp.where(ok, m / safe_b_s - 1 / safe_weight, one)
+  s2 = mean_sq.astype(dtype)
+  trace_cov = (sampled_sq / safe_b_s - s2) / denom
+  grad_sq = s2 - trace_cov / safe_weight
+  valid = ok & jnp.isfinite(trace_cov) & jnp.isfinite(grad_sq)
   zero = jnp.zeros([], dtype)
   return jnp.where(valid, grad_sq, zero), jnp.where(valid, trace_cov, zero), valid
 

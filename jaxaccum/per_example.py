@@ -218,10 +218,13 @@ def micro_grad(
     argnames: keyword argument(s) with a batch axis (passed to
       `ja.microbatch`).
     in_axes: the batch axis of each batch argument (`batch_argnums` then
-      `argnames`), an int for all; default 0.
+      `argnames`), an int for all; default 0. A negative axis counts from
+      the end of each leaf (as in `jax.vmap`); one out of range is a
+      ValueError naming the argument and its shape.
     num_real_microbatches: only microbatches i < n run (an int or a traced
       scalar: no recompile); the others contribute nothing and their rows'
-      per-example outputs are zeros.
+      per-example outputs are zeros. n = 0: zero gradients, eagerly as
+      under jit.
 
   Returns:
     A function with fun's arguments returning `(grads, MicroGradAux)`; `grads`
@@ -359,7 +362,8 @@ def micro_vmap(
   Args:
     fun: the function to map over examples.
     in_axes: as `jax.vmap`'s, per positional argument (None: not mapped), or
-      one int for all of them. Every mapped axis holds the B examples.
+      one int for all of them (negative: from the end of each leaf). Every
+      mapped axis holds the B examples.
     out_axes: 0 (the only value supported, as in optax).
     num_microbatches: K >= 1 dividing B (per device with `axis_name`); or
       `microbatch_size` (examples per microbatch) instead.

@@ -654,3 +654,71 @@ def test_concat_on_an_explicit_mesh():
       np.testing.assert_allclose(out["pred"], mlp_apply(params, x), rtol=RTOL)
       np.testing.assert_allclose(out["m"], jnp.mean(x), rtol=RTOL)
       assert out["pred"].sharding.spec[0] == "data"
+
+
+# --------------------------------------------------------------------------- issue 25: in_axes, n = 0, rows per device
+
+
+def test_negative_in_axes_count_from_the_end(problem):
+  """in_axes=-1 is each leaf's last axis (as in jax.vmap): the weighted mean of the plain microbatches i::K."""
+  params, _, (x, y) = problem
+  vg = jax.value_and_grad(lambda p, *, xs, ys: mse_loss(p, (xs.T, ys)))
+  real = lambda mbs: jnp.sum(mbs[0][0] > 0)  # rows of the microbatch whose first feature is positive: unequal weights
+  ws = [float(np.sum(np.asarray(x[i::4, 0]) > 0)) for i in range(4)]
+  parts = [jax.value_and_grad(mse_loss)(params, (x[i::4], y[i::4])) for i in range(4)]
+  want = jax.tree.map(lambda *o: sum(w * a for w, a in zip(ws, o, strict=True)) / sum(ws), *parts)
+  for axes in ((-1, 0), (1, -2), (-1, -2)):
+    fun = ja.microbatch(vg, 4, batch_argnums=(), argnames=("xs", "ys"), in_axes=axes, weight_fn=real)
+    for call in (fun, jax.jit(fun)):
+      chex.assert_trees_all_close(call(params, xs=x.T, ys=y), want, rtol=RTOL, atol=1e-15)
+  with pytest.raises(ValueError, match=r"in_axes=-3 is out of range for batch argument 0 of shape \(3, 120\)"):
+    ja.microbatch(vg, 4, batch_argnums=(), argnames=("xs", "ys"), in_axes=(-3, 0))(params, xs=x.T, ys=y)
+  with pytest.raises(ValueError, match=r"in_axes=2 is out of range for batch argument 1 of shape \(120, 2\)"):
+    ja.microbatch(vg, 4, batch_argnums=(), argnames=("xs", "ys"), in_axes=(1, 2))(params, xs=x.T, ys=y)
+
+
+def test_zero_real_microbatches_give_zeros_eagerly_as_under_jit_and_optax(problem):
+  """num_real_microbatches=0 asks for nothing: zeros and total weight 0 in every mode, not the all-padding error."""
+  params, _, data = problem
+  zeros = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+  optax_mean = optax.microbatching.microbatch(
+    jax.value_and_grad(mse_loss), 1, 30, optax.microbatching.AccumulationType.MEAN, num_real_microbatches=0
+  )
+  chex.assert_trees_all_close(optax_mean(params, data), zeros, atol=0)
+  for weight_fn in (None, lambda b: b[0].shape[0]):
+    fun = ja.microbatch(
+      jax.value_and_grad(mse_loss), 4, weight_fn=weight_fn, num_real_microbatches=0, return_total_weight=True
+    )
+    for call in (fun, jax.jit(fun)):
+      out, total = call(params, data)
+      chex.assert_trees_all_close(out, zeros, atol=0)
+      assert float(total) == 0
+  # Real microbatches that all weigh 0 are still the all-padding error eagerly (zeros under jit).
+  with pytest.raises(ValueError, match=r"every microbatch has weight 0 \(weight_fn gave 0"):
+    ja.microbatch(jax.value_and_grad(mse_loss), 4, weight_fn=lambda b: 0.0, num_real_microbatches=2)(params, data)
+
+
+def test_rows_per_microbatch_not_divisible_by_the_devices_is_named():
+  """A batch sharded over 8 Explicit devices: 64 rows / K=16 = 4 rows per microbatch cannot keep the sharding."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(1), 64)
+  named = r"num_microbatches=16 splits the batch's 64 rows into microbatches of 4 rows.* 8 devices of mesh axis 'data'"
+  named += r".*divides the 8 rows per device \(e.g. num_microbatches=8\)"
+  with jax.set_mesh(mesh):
+    batch = (jax.device_put(x, P("data")), jax.device_put(y, P("data")))
+    funs = (
+      ja.microbatch(ja.grad(mse_loss, axis_name="data"), 16, axis_name="data"),
+      ja.microbatch(jax.value_and_grad(mse_loss), 16),
+      ja.micro_grad(mse_loss, num_microbatches=16),
+      ja.micro_grad(mse_loss, microbatch_size=4),
+    )
+    for fun in funs:
+      for call in (fun, jax.jit(fun)):
+        with pytest.raises(ValueError, match=named):
+          call(params, batch)
+    with pytest.raises(ValueError, match=named):
+      jax.jit(ja.micro_vmap(lambda r: mlp_apply(params, r), num_microbatches=16))(batch[0])
+    # K=8 (1 row per device per microbatch) runs, and is the full batch's gradient.
+    got = jax.jit(ja.microbatch(ja.grad(mse_loss, axis_name="data"), 8, axis_name="data"))(params, batch)
+  chex.assert_trees_all_close(got, jax.grad(mse_loss)(params, (x, y)), rtol=RTOL)

@@ -697,3 +697,105 @@ def test_b_simple_after_windows_of_zero_gradients_is_zero_not_nan():
   zero = jnp.zeros([])
   assert float(noise.step_estimate(zero, zero, jnp.asarray(True)).b_simple) == 0.0
   assert np.isnan(float(noise.step_estimate(zero, zero, jnp.asarray(False)).b_simple))
+
+
+# ---------------------------------------------------------------------------------------------
+# noise_scale_sample=m: the squared norm of the first m microbatches (of weight > 0) per window only.
+
+
+def plain_sampled_estimates(grads, sizes, m):
+  """The sampled estimator (noise.py, "Sampling") written out in numpy: S = the first m microbatches with b > 0."""
+  b = np.asarray(sizes, float)
+  g = np.asarray(grads)  # (W, K, D)
+  real = np.flatnonzero(b > 0)
+  s = real[:m]
+  big_b, b_s = b[real].sum(), b[s].sum()
+  s1 = np.einsum("k,wkd,wkd->w", b[s], g[:, s], g[:, s]) / b_s
+  mean = np.einsum("k,wkd->wd", b[real], g[:, real]) / big_b
+  s2 = np.einsum("wd,wd->w", mean, mean)
+  trace_cov = (s1 - s2) / (len(s) / b_s - 1 / big_b)
+  return s2 - trace_cov / big_b, trace_cov
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_sampled_noise_scale_is_the_plain_sampled_estimator_and_unbiased(m):
+  """Weights unequal, the first microbatch of weight 0 (NaN gradient): it is neither sampled nor leaks."""
+  sizes = [0, 3, 5, 8, 16, 32, 4, 40]
+  g_true = jnp.full((D,), 1.0 / np.sqrt(D)).at[0].add(0.5)
+  grads = synthetic_microbatch_grads(jax.random.PRNGKey(3), 400, sizes, g_true)
+  assert np.all(np.isnan(np.asarray(grads[:, 0])))
+  tx = ja.accumulate(optax.set_to_zero(), len(sizes), noise_scale_ema=0.98, noise_scale_sample=m)
+  state = run_accumulate(tx, grads, sizes)
+  measured = noise.noise_scale(state)
+  ref_g2, ref_tr = plain_sampled_estimates(grads, sizes, m)
+  np.testing.assert_allclose(float(measured.grad_sq), plain_ema(ref_g2, 0.98), rtol=1e-10)
+  np.testing.assert_allclose(float(measured.trace_cov), plain_ema(ref_tr, 0.98), rtol=1e-10)
+  assert int(state.noise_stats.windows) == 400
+  # Unbiased: the mean over 400 windows is near the truth (tr(Sigma) = D per example, |G|^2).
+  assert abs(np.mean(ref_tr) / D - 1) < 0.1
+  assert abs(np.mean(ref_g2) / float(jnp.sum(g_true**2)) - 1) < 0.1
+
+
+def test_sampled_noise_scale_leaves_updates_bit_for_bit_and_adds_no_collective():
+  params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.zeros(3)}
+  keys = jax.random.split(jax.random.PRNGKey(7), 9)
+  steps = [
+    (jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape), params), jnp.float64(1 + i % 4))
+    for i, k in enumerate(keys)
+  ]
+  steps[3] = (steps[3][0], jnp.float64(0.0))  # weight 0 at a window's start: the next microbatch is sampled
+  plain, s_plain = _accumulate_trajectory(ja.accumulate(optax.adam(0.05), 3), params, steps, False)
+  tx = ja.accumulate(optax.adam(0.05), 3, noise_scale_ema=0.0, noise_scale_sample=1)
+  sampled, s_sampled = _accumulate_trajectory(tx, params, steps, False)
+  chex.assert_trees_all_equal(sampled, plain)
+  chex.assert_trees_all_equal(s_sampled._replace(noise_stats=None), s_plain)
+  assert int(s_sampled.noise_stats.windows) == 3
+  # The last window (steps 6, 7, 8) by hand: microbatch 6 sampled.
+  g = np.stack([np.concatenate([np.ravel(s[0]["w"]), s[0]["b"]]) for s in steps[6:]])[None]
+  ref_g2, ref_tr = plain_sampled_estimates(g, [float(s[1]) for s in steps[6:]], 1)
+  measured = noise.noise_scale(s_sampled)
+  np.testing.assert_allclose([float(measured.grad_sq), float(measured.trace_cov)], [ref_g2[0], ref_tr[0]], rtol=RTOL)
+
+  def hlo(sample):
+    tx = ja.accumulate(optax.adam(0.1), 4, axis_name="data", noise_scale_ema=0.9, noise_scale_sample=sample)
+    step = jax.pmap(lambda g, s: tx.update(g, s, params, weight=2.0), axis_name="data", in_axes=(0, None))
+    g = jax.tree.map(lambda p: jnp.ones((8, *p.shape)), params)
+    return _hlo.all_reduce_sizes(step.lower(g, tx.init(params)).compile().as_text())
+
+  (n_all, e_all), (n_sampled, e_sampled) = hlo(None), hlo(2)
+  assert n_sampled == n_all and e_sampled == e_all + 1, (n_all, e_all, n_sampled, e_sampled)  # + B_S, a scalar
+
+
+def test_sampled_noise_scale_bad_input():
+  for bad, err in ((0, ValueError), (-1, ValueError), (True, TypeError), (1.5, TypeError), ("2", TypeError)):
+    with pytest.raises(err, match=rf"noise_scale_sample={bad!r} must be None or an int >= 1"):
+      ja.accumulate(optax.sgd(0.1), 4, noise_scale_ema=0.9, noise_scale_sample=bad)
+  with pytest.raises(ValueError, match=r"noise_scale_sample=2 samples the noise-scale measurement, which is off"):
+    ja.accumulate(optax.sgd(0.1), 4, noise_scale_sample=2)
+  assert ja.accumulate(optax.sgd(0.1), 4, noise_scale_ema=0.9).init({"w": jnp.zeros(2)}).noise_stats[-1] is None
+
+
+def test_sampled_noise_scale_on_8_devices_samples_each_devices_first_microbatch():
+  n_dev, k, windows = 8, 3, 20
+  rng = np.random.default_rng(0)
+  sizes = rng.integers(1, 12, size=(n_dev, k)).astype(float)  # (device, microbatch)
+  g_true = jnp.full((D,), 1.0 / np.sqrt(D)).at[0].add(0.5)
+  grads = synthetic_microbatch_grads(jax.random.PRNGKey(4), windows, sizes.reshape(-1).astype(int), g_true)
+  grads = np.asarray(grads).reshape(windows, n_dev, k, D)
+  tx = ja.accumulate(optax.set_to_zero(), k, axis_name="data", noise_scale_ema=0.9, noise_scale_sample=1)
+  params = {"theta": jnp.zeros(D)}
+  step = jax.pmap(lambda s, g, w: tx.update({"theta": g}, s, params, weight=w)[1], axis_name="data")
+  state = jax.tree.map(lambda a: jnp.stack([a] * n_dev), tx.init(params))
+  for w_i in range(windows):
+    for i in range(k):
+      state = step(state, jnp.asarray(grads[w_i, :, i]), jnp.asarray(sizes[:, i]))
+  # The plain reference: S = microbatch 0 of every device, the window = all 24 microbatches.
+  b, big_b, b_s = sizes, sizes.sum(), sizes[:, 0].sum()
+  s1 = np.einsum("p,wpd,wpd->w", b[:, 0], grads[:, :, 0], grads[:, :, 0]) / b_s
+  mean = np.einsum("pk,wpkd->wd", b, grads) / big_b
+  s2 = np.einsum("wd,wd->w", mean, mean)
+  ref_tr = (s1 - s2) / (n_dev / b_s - 1 / big_b)
+  ref_g2 = s2 - ref_tr / big_b
+  measured = noise.noise_scale(state)
+  np.testing.assert_allclose(np.asarray(measured.grad_sq), plain_ema(ref_g2, 0.9), rtol=1e-10)
+  np.testing.assert_allclose(np.asarray(measured.trace_cov), plain_ema(ref_tr, 0.9), rtol=1e-10)

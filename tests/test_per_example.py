@@ -334,3 +334,35 @@ def test_adapter_is_faithful_to_optax():
   for name in OPTAX_TESTS:
     optax_tests.MicrobatchingTest(name).run(result)
   assert result.testsRun == len(OPTAX_TESTS) and not result.failures and not result.errors
+
+
+def test_negative_in_axes_and_zero_real_microbatches():
+  """Issue 25: in_axes=-1 is each leaf's last axis (as in jax.vmap); num_real_microbatches=0 is zeros eagerly too."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(1), 16)
+  loss = lambda p, x, y: jnp.mean(jnp.sum((mlp_apply(p, x) - y) ** 2, axis=-1))
+  grads, aux = ja.micro_grad(loss, batch_argnums=(1, 2), num_microbatches=4, transform_fn=clip)(params, x, y)
+  plain = plain_loop(params, {"x": x, "y": y, "mask": np.ones(16)})
+  assert_close(grads, plain[0])
+  xt = jnp.swapaxes(x, 0, 1)  # examples on the last axis
+  last = ja.micro_grad(
+    lambda p, xt, y: loss(p, jnp.swapaxes(xt, 0, 1), y),
+    batch_argnums=(1, 2),
+    in_axes=(-1, -2),
+    num_microbatches=4,
+    transform_fn=clip,
+  )
+  for call in (last, jax.jit(last)):
+    assert_close(call(params, xt, y), (grads, aux))
+  mapped = jax.vmap(lambda r: mlp_apply(params, r))(x)
+  vm = ja.micro_vmap(lambda c: mlp_apply(params, c), in_axes=-1, num_microbatches=4)
+  assert_close(vm(xt), mapped)
+  with pytest.raises(ValueError, match=r"in_axes=-3 is out of range for batch argument 0 of shape \(3, 16\)"):
+    ja.micro_vmap(lambda c: c, in_axes=-3, num_microbatches=4)(xt)
+  zero_grad = ja.micro_grad(loss, batch_argnums=(1, 2), num_microbatches=4, num_real_microbatches=0)
+  zero_mean = ja.micro_vmap(lambda r: r, num_microbatches=4, reductions="mean", num_real_microbatches=0)
+  for g, m in ((zero_grad, zero_mean), (jax.jit(zero_grad), jax.jit(zero_mean))):
+    got, got_aux = g(params, x, y)
+    assert_close(got, jax.tree.map(np.zeros_like, params), rtol=0)
+    assert not np.any(np.asarray(got_aux.values))
+    assert not np.any(np.asarray(m(x)))
