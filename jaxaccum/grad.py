@@ -341,12 +341,22 @@ def grad(
   axis_name: str,
   has_aux: bool = False,
   weight_fn: Callable[[Any], Any] | None = None,
+  key_argnum: int | None = None,
+  aux_reductions: Any = None,
 ) -> Callable:
   """`jax.grad` whose result is left unreduced over `axis_name`: `ja.value_and_grad` without the value.
 
   Returns grads (or `(grads, aux)` with `has_aux`). See `value_and_grad`.
   """
-  vg = value_and_grad(fun, argnums, axis_name=axis_name, has_aux=has_aux, weight_fn=weight_fn)
+  vg = value_and_grad(
+    fun,
+    argnums,
+    axis_name=axis_name,
+    has_aux=has_aux,
+    weight_fn=weight_fn,
+    key_argnum=key_argnum,
+    aux_reductions=aux_reductions,
+  )
 
   def wrapped(*args):
     out, grads = vg(*args)
