@@ -325,9 +325,13 @@ def accumulate(
       `init` on params placed on that mesh makes the accumulator unreduced, it
       stays so across calls (no collective on a micro-step), and the window
       end reduces each leaf once into the parameter's sharding. Weights are the
-      call's global (replicated) weights. A mesh with another axis, an Auto
-      mesh, `skip_nonfinite` and `noise_scale_ema` raise there, saying what to
-      use instead (see the guide "Your own jit step").
+      call's global (replicated) weights. Placed arguments are enough: `init`
+      and `update` need no `jax.set_mesh` around them. `ja.checkpoint` saves
+      the unreduced accumulator as each device's partial sum and restores it
+      bit for bit. A mesh with another axis, an Auto mesh, `skip_nonfinite`
+      and `noise_scale_ema` raise there, saying what to use instead (see the
+      guide "Your own jit step"). Without `axis_name`, unreduced gradients
+      raise a ValueError naming `axis_name=` and `jax.reshard(g, P())`.
     accumulator_dtype: dtype of the running sum. None: the wider of float32 and
       each gradient's dtype (bf16 -> float32, float64 stays float64).
     comm_dtype: dtype on the wire for the window-end all-reduce (e.g.

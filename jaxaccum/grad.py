@@ -17,12 +17,23 @@ reduced with scalar collectives). `ja.accumulate(..., axis_name="data")` keeps
 the sum unreduced across calls and reduces once per window; `jax.reshard(g, P())`
 reduces by hand.
 
+A device whose weight W_d is 0 (padding only: its loss may be 0/0) adds exactly
+nothing: its terms are selected out, never multiplied by 0. Keys: device d's rows
+get `fold_in(key, d)` (`key_argnum`, and typed keys found in the arguments), so
+devices draw independent masks; not the plain step's draws (a mask drawn over the
+global batch cannot be cut into per-device masks), deterministic given the key and
+the device count. Aux leaves with a leading dimension of the device's rows come
+back concatenated in row order; others as the weighted mean (`aux_reductions`).
+
 How: a `jax.shard_map` manual over the mesh axis runs `fun` on each device's rows
-with the differentiated arguments cast to varying (so autodiff does not psum),
-then casts the local gradient to unreduced (`out_specs=P(unreduced={axis})`).
-JAX 0.10 limits (see `_unreduced`): the mesh's other axes must have size 1, and
-Auto meshes have no unreduced type; both give a ValueError that says what to use
-instead.
+without vma checking: autodiff then leaves each device its local gradient (no
+psum over the replicated parameters), and loops whose carry starts as a constant
+(an RNN from zeros) type-check as they do outside; the local gradient leaves as
+unreduced (`out_specs=P(unreduced={axis})`). Model code that names the data axis
+in a sharding annotation, and a loss that closes over a batch sharded over it,
+cannot run per device and are refused by name (`_explain`). JAX 0.10 limits (see
+`_unreduced`): the mesh's other axes must have size 1, and Auto meshes have no
+unreduced type; both give a ValueError that says what to use instead.
 """
 
 from __future__ import annotations

@@ -652,7 +652,7 @@ def test_checkpoint_of_an_own_jit_run_continues_bit_for_bit(saved_after, tmp_pat
 def rnn_loss(q, batch):
   """A recurrence whose lax.scan starts from zeros (a constant carry)."""
   x, y = batch
-  h, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ q[0]["w"][:, :3] + x), None), jnp.zeros_like(x), None, length=3)
+  h, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ q[0]["w"][:, :3] + x), None), jnp.zeros(x.shape), None, length=3)
   return jnp.mean(jnp.sum((h @ q[0]["w"] @ q[1]["w"] + q[1]["b"] - y) ** 2, -1))
 
 
