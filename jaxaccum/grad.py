@@ -57,6 +57,10 @@ def _argnums_tuple(argnums) -> tuple[int, ...]:
   return nums
 
 
+def _replicated(x) -> bool:
+  return all(a is None for a in _spec_of(x))
+
+
 def _spec_of(x) -> P:
   """The sharding spec `x` has here (P() for a value without one); unreduced/reduced parts dropped."""
   spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
@@ -246,9 +250,17 @@ def value_and_grad(
     owner = jax.tree.flatten([[i] * len(jax.tree.leaves(a)) for i, a in enumerate(args)])[0]
     owners = [o for o, a in zip(owner, is_array, strict=True) if a]
     diff_leaf = [o in nums for o in owners]
-    key_leaf = [o == key_argnum or (o not in nums and _is_key(x)) for o, x in zip(owners, arrays, strict=True)]
-    specs = [P() if d or k else _spec_of(x) for x, d, k in zip(arrays, diff_leaf, key_leaf, strict=True)]
+    # A typed key sharded over the axis is per-row data (each row its key) and reaches its device as it is;
+    # a replicated one would give every device the same draws, so it is folded, as is all of key_argnum.
+    key_leaf = [
+      o == key_argnum or (o not in nums and _is_key(x) and _replicated(x)) for o, x in zip(owners, arrays, strict=True)
+    ]
+    specs = [P() if d else _spec_of(x) for x, d in zip(arrays, diff_leaf, strict=True)]
     rows = _local_rows(arrays, specs, axis_name)
+    # A differentiated leaf sharded over the axis (FSDP-style) is gathered once here: each device's loss needs
+    # all of it. Its gradient comes back unreduced at full size; ja.accumulate reduce-scatters it at the window end.
+    with _unreduced.mesh_context(arrays):  # placed arguments are enough: no jax.set_mesh needed
+      arrays = [jax.reshard(x, P()) if d and not _replicated(x) else x for x, d in zip(arrays, diff_leaf, strict=True)]
 
     def rebuild(array_values):
       it = iter(array_values)
@@ -321,12 +333,6 @@ def value_and_grad(
       grads = grads[0] if isinstance(argnums, int) else grads
       return ((value, aux) if has_aux else value), grads
 
-    # A differentiated leaf sharded over the axis (FSDP-style) is gathered once here: each device's loss needs
-    # all of it. Its gradient comes back unreduced at full size; ja.accumulate reduce-scatters it at the window end.
-    arrays = [
-      jax.reshard(x, P()) if (d or k) and any(a is not None for a in _spec_of(x)) else x
-      for x, d, k in zip(arrays, diff_leaf, key_leaf, strict=True)
-    ]
     aux_specs = jax.tree.map(lambda m: P(axis_name) if m == "concat" else P(), modes) if has_aux else None
     out_specs = ((P(), aux_specs) if has_aux else P(), P(unreduced={axis_name}))
     return _trace(lambda: smap(body, out_specs=out_specs)(*arrays), axis_name)

@@ -675,3 +675,32 @@ def test_loops_whose_carry_starts_as_a_constant(loss):
       jax.device_put(params, NamedSharding(mesh, P())), batch
     )
   chex.assert_trees_all_close(g, jax.grad(loss)(params, (x, y)), rtol=RTOL, atol=1e-15)
+
+
+def test_per_row_keys_and_a_sharded_parameter_without_set_mesh():
+  """Typed keys sharded with the rows are per-row data (not folded); a parameter sharded over the axis is
+  gathered; no jax.set_mesh: value, per-row aux and gradient equal the plain step's."""
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (16, 2), jnp.float64), "b": jnp.zeros((2,), jnp.float64)}
+  x = jax.random.normal(jax.random.PRNGKey(1), (32, 16), jnp.float64)
+  y = jax.random.normal(jax.random.PRNGKey(2), (32, 2), jnp.float64)
+  keys = jax.random.split(jax.random.key(3), 32)
+
+  def loss(q, batch):
+    x, y, k = batch
+    out = (x * jax.vmap(lambda kk: jax.random.bernoulli(kk, 0.5, (16,)))(k)) @ q["w"] + q["b"]
+    return jnp.mean((out - y) ** 2), jnp.sum((out - y) ** 2, -1)
+
+  mesh = explicit_mesh()
+  replicated = NamedSharding(mesh, P())
+  p = {"w": jax.device_put(params["w"], NamedSharding(mesh, P("data"))), "b": jax.device_put(params["b"], replicated)}
+  batch = jax.device_put((x, y, keys), NamedSharding(mesh, P("data")))
+  (value, aux), g = jax.jit(
+    lambda q, b: jax.tree.map(
+      lambda a: jax.reshard(a, replicated) if _unreduced.axes_of(a) else a,
+      ja.value_and_grad(loss, axis_name="data", has_aux=True)(q, b),
+    )
+  )(p, batch)
+  (ref_value, ref_aux), ref = jax.value_and_grad(loss, has_aux=True)(params, (x, y, keys))
+  np.testing.assert_allclose(value, ref_value, rtol=RTOL)
+  np.testing.assert_allclose(aux, ref_aux, rtol=RTOL)
+  chex.assert_trees_all_close(g, ref, rtol=RTOL, atol=0)
