@@ -344,9 +344,13 @@ def _trace(call, axis_name):
   """`call()`, with JAX's errors about model code written for the global batch turned into ja.grad's own."""
   try:
     return call()
-  except (ValueError, TypeError, NotImplementedError) as e:
+  except Exception as e:
     explained = _explain(e, axis_name)
     if explained is None:
+      e.add_note(
+        f"(raised inside ja.grad, which runs fun on each device's rows in a jax.shard_map manual over "
+        f"{axis_name!r}, without vma checking; see the own-jit guide, 'What runs, and what is refused')"
+      )
       raise
     raise explained from e
 
