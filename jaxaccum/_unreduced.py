@@ -20,6 +20,7 @@ run yet. JAX 0.10 rules these helpers follow (measured, see
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -63,6 +64,45 @@ def mesh_of(tree=None):
     if leaf_mesh is not None and not getattr(leaf_mesh, "empty", False) and tuple(getattr(leaf_mesh, "axis_names", ())):
       return leaf_mesh
   return None
+
+
+def mesh_context(tree):
+  """A context in which a bare `PartitionSpec` means `tree`'s mesh: nothing when a mesh is set already.
+
+  `jax.set_mesh(mesh)` for concrete arrays (eager), `jax.sharding.use_abstract_mesh` for tracers (under
+  the user's jit): so that placing arguments on the mesh is enough, without `jax.set_mesh` around the call.
+  """
+  current = jax.sharding.get_abstract_mesh()
+  if current is not None and not getattr(current, "empty", True):
+    return contextlib.nullcontext()
+  mesh = mesh_of(tree)
+  if mesh is None:
+    return contextlib.nullcontext()
+  if isinstance(mesh, jax.sharding.Mesh):
+    return jax.set_mesh(mesh)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+def zero_on(tree) -> jax.Array:
+  """An int32 zero that reads a leaf of `tree`: a jit whose unreduced outputs are made from nothing (zeros) then
+  keeps that argument, and so its devices; else it compiles for one device and JAX refuses the mesh's outputs."""
+  leaf = next((x for x in jax.tree.leaves(tree) if hasattr(x, "shape")), None)
+  if leaf is None or not isinstance(leaf, jax.core.Tracer):
+    return jnp.zeros([], jnp.int32)
+  return (jnp.any(leaf != leaf) & False).astype(jnp.int32)  # always 0, NaN or not
+
+
+def refuse(tree, what: str, arg: str = "grads") -> None:
+  """Raises a ValueError naming the first leaf of `tree` that is unreduced: `what` cannot take partial sums."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    axes = axes_of(leaf) if hasattr(leaf, "shape") else ()
+    if axes:
+      raise ValueError(
+        f"{what}: {arg}{jax.tree_util.keystr(path)} is unreduced over {axes} (typed {jax.typeof(leaf)}: each "
+        "device holds a partial sum, as ja.grad returns it). Give it to ja.accumulate(..., "
+        f"axis_name={axes[0]!r}) or ja.microbatch(..., axis_name={axes[0]!r}), which reduce once, or reduce it "
+        f"first with jax.reshard(g, P()) (one all-reduce)"
+      )
 
 
 def _axis_types(mesh) -> dict:
@@ -187,3 +227,43 @@ def check_unreduced(tree, axis_name, arg: str = "grads") -> None:
 
 def dtype_of(x):
   return _tree.dtype_of(x)
+
+
+# Checkpoints. orbax cannot write an unreduced array (JAX: "device_indices_map doesn't work with unreduced"), and
+# reducing it on save would change the run (the window end sums once, in its own order). So a checkpoint holds each
+# device's partial sum, stacked on a new leading axis sharded over the unreduced axes, and restore unstacks them:
+# every device gets back its own bits, and the run continues as if never interrupted.
+
+
+def _stack_specs(sharding):
+  spec = sharding.spec
+  axes = tuple(sorted(spec.unreduced))
+  inner = P(*spec.partitions, unreduced=set(spec.unreduced))
+  return inner, P(axes if len(axes) > 1 else axes[0], *spec.partitions)
+
+
+def stacked_struct(x) -> jax.ShapeDtypeStruct:
+  """What `to_stacked(x)` gives, for an unreduced array or a struct of one on a concrete mesh."""
+  sharding = _sharding(x)
+  size = 1
+  for n in axes_of(x):
+    size *= dict(sharding.mesh.shape)[n]
+  return jax.ShapeDtypeStruct(
+    (size, *x.shape), x.dtype, sharding=NamedSharding(sharding.mesh, _stack_specs(sharding)[1])
+  )
+
+
+def to_stacked(x) -> jax.Array:
+  """The partial sums of an unreduced `x`, one per device of its unreduced axes, stacked on a new leading axis."""
+  sharding = _sharding(x)
+  inner, outer = _stack_specs(sharding)
+  fun = jax.shard_map(lambda a: a[None], mesh=sharding.mesh, in_specs=inner, out_specs=outer, check_vma=False)
+  return jax.jit(fun)(x)
+
+
+def from_stacked(stacked, like) -> jax.Array:
+  """The inverse of `to_stacked`: an array unreduced as `like` (an array or a struct with a concrete sharding)."""
+  sharding = _sharding(like)
+  inner, outer = _stack_specs(sharding)
+  fun = jax.shard_map(lambda a: a[0], mesh=sharding.mesh, in_specs=outer, out_specs=inner, check_vma=False)
+  return jax.jit(fun)(stacked)

@@ -346,9 +346,13 @@ def accumulate(
       `init` on params placed on that mesh makes the accumulator unreduced, it
       stays so across calls (no collective on a micro-step), and the window
       end reduces each leaf once into the parameter's sharding. Weights are the
-      call's global (replicated) weights. A mesh with another axis, an Auto
-      mesh, `skip_nonfinite` and `noise_scale_ema` raise there, saying what to
-      use instead (see the guide "Your own jit step").
+      call's global (replicated) weights. Placed arguments are enough: `init`
+      and `update` need no `jax.set_mesh` around them. `ja.checkpoint` saves
+      the unreduced accumulator as each device's partial sum and restores it
+      bit for bit. A mesh with another axis, an Auto mesh, `skip_nonfinite`
+      and `noise_scale_ema` raise there, saying what to use instead (see the
+      guide "Your own jit step"). Without `axis_name`, unreduced gradients
+      raise a ValueError naming `axis_name=` and `jax.reshard(g, P())`.
     accumulator_dtype: dtype of the running sum. None: the wider of float32 and
       each gradient's dtype (bf16 -> float32, float64 stays float64).
     comm_dtype: dtype on the wire for the window-end all-reduce (e.g.
@@ -469,12 +473,14 @@ def accumulate(
     mesh = explicit_mode(params)
     if mesh is not None:
       # Each device's partial sum, across calls: typed {U:axis}, no collective until the window end.
-      acc_grads = jax.tree.map(
-        lambda p: _unreduced.zeros(
-          jnp.shape(p), _tree.accumulator_dtype(_tree.dtype_of(p), accumulator_dtype), mesh, axis_name
-        ),
-        params,
-      )
+      # Under the params' own mesh, so that placing them is enough (no jax.set_mesh needed).
+      with _unreduced.mesh_context(params):
+        acc_grads = jax.tree.map(
+          lambda p: _unreduced.zeros(
+            jnp.shape(p), _tree.accumulator_dtype(_tree.dtype_of(p), accumulator_dtype), mesh, axis_name
+          ),
+          params,
+        )
     else:
       # zeros_like, not zeros(shape): the accumulator takes each parameter's
       # sharding (eager, and inside jit where it is known, e.g. Explicit axes).
@@ -483,7 +489,7 @@ def accumulate(
       )
     weight_dtype = _tree.widest(x.dtype for x in jax.tree.leaves(acc_grads))
     return AccumulateState(
-      micro_step=jnp.zeros([], jnp.int32),
+      micro_step=jnp.zeros([], jnp.int32) if mesh is None else _unreduced.zero_on(params),
       update_count=jnp.zeros([], jnp.int32),
       acc_grads=acc_grads,
       acc_weight=jnp.zeros([], weight_dtype),
@@ -770,8 +776,16 @@ def accumulate(
         "noise_scale=), or shard_map with axis_name"
       )
 
+  def entry(grads, state, params, weight, extra_args, apply: bool):
+    """`step`, after refusing partial sums it cannot reduce, under the gradients' mesh (no set_mesh needed)."""
+    if axis_name is None or _unreduced.is_bound(axis_name):
+      _unreduced.refuse(grads, "ja.accumulate" + ("" if axis_name is None else f"(axis_name={axis_name!r})"))
+      return step(grads, state, params, weight, extra_args, apply)
+    with _unreduced.mesh_context(grads):
+      return step(grads, state, params, weight, extra_args, apply)
+
   def update(grads, state, params=None, *, weight=None, **extra_args):
-    return step(grads, state, params, weight, extra_args, apply=False)
+    return entry(grads, state, params, weight, extra_args, apply=False)
 
   def apply_gradients(grads, state, params, *, weight=None, **extra_args):
     """`update` followed by `optax.apply_updates`, fused: returns (new params, state).
@@ -784,7 +798,7 @@ def accumulate(
     """
     if params is None:
       raise ValueError("apply_gradients needs params")
-    return step(grads, state, params, weight, extra_args, apply=True)
+    return entry(grads, state, params, weight, extra_args, apply=True)
 
   # Tagged with its own `update`: a wrapper made with functools.wraps copies the
   # attribute, and must not have its own update bypassed (see `ja.flax`).

@@ -75,6 +75,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxaccum import _unreduced
+
 __all__ = ["save", "restore", "CheckpointCorruptedError", "UnverifiedCheckpointWarning", "MANIFEST"]
 
 MANIFEST = "jaxaccum_manifest.json"
@@ -422,6 +424,9 @@ def save(path, tree, *, overwrite: bool = False) -> None:
         f"tree{jax.tree_util.keystr(key_path)} has been deleted (donated to a jitted step?): "
         "save the arrays the step returned, e.g. params, opt_state, metrics = step(...)"
       )
+  # Unreduced leaves (ja.accumulate(axis_name=)'s accumulator in the user's own jit) are saved as each device's
+  # partial sum, stacked over the axis: restore gives every device its own bits back (see `_unreduced`).
+  tree = jax.tree.map(lambda x: _unreduced.to_stacked(x) if _is_unreduced(x) else x, tree)
   tmp = _tmp_path(path)
   primary = jax.process_index() == 0
   if primary:
@@ -657,6 +662,8 @@ def restore(path, like):
   if not os.path.isdir(path) or not os.listdir(path):
     raise FileNotFoundError(f"no checkpoint at {path=}")
   abstract = jax.tree_util.tree_map_with_path(lambda p, x: _abstract(x, p), like)
+  targets = abstract  # the unreduced leaves' own types, for after the read
+  abstract = jax.tree.map(lambda x: _unreduced.stacked_struct(x) if _is_unreduced(x) else x, abstract)
   manifest = _read_manifest(path)
   if manifest is None:
     warnings.warn(
@@ -689,7 +696,11 @@ def restore(path, like):
     raise ValueError(problem)
   if manifest is not None:
     _verify_values(path, manifest, restored)
-  return restored
+  return jax.tree.map(lambda t, r: _unreduced.from_stacked(r, t) if _is_unreduced(t) else r, targets, restored)
+
+
+def _is_unreduced(x) -> bool:
+  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and bool(_unreduced.axes_of(x))
 
 
 def _mismatch(path: str, stored: dict, wanted: dict) -> str | None:

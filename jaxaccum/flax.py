@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxaccum import _tree, parallel
+from jaxaccum import _tree, _unreduced, parallel
 from jaxaccum.accumulate import AccumulateState
 
 __all__ = ["TrainState", "AccumulatingOptimizer"]
@@ -338,6 +338,7 @@ class TrainState(flax_train_state.TrainState):
           f"is a {type(self.opt_state).__name__})"
         )
       _tree.check_same_structure(grads, self.params, "grads", "state.params")
+      _unreduced.refuse(grads, "ja.flax.TrainState.apply_gradients (tx is plain optax)")
       updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
       extra = {} if batch_stats is None else {"batch_stats": batch_stats}
       return self.replace(
@@ -485,6 +486,7 @@ class AccumulatingOptimizer(nnx.Optimizer):
     if not self._accumulating():
       if weight is not None:
         raise TypeError(f"{weight=} needs tx=ja.accumulate(...); this optimizer's tx is not one")
+      _unreduced.refuse(grads, "ja.flax.AccumulatingOptimizer.update (tx is plain optax)")
       out = super().update(model, grads, **kwargs)
       self.microbatches_seen[...] = self.microbatches_seen[...] + 1
       return out

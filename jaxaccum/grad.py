@@ -17,16 +17,28 @@ reduced with scalar collectives). `ja.accumulate(..., axis_name="data")` keeps
 the sum unreduced across calls and reduces once per window; `jax.reshard(g, P())`
 reduces by hand.
 
+A device whose weight W_d is 0 (padding only: its loss may be 0/0) adds exactly
+nothing: its terms are selected out, never multiplied by 0. Keys: device d's rows
+get `fold_in(key, d)` (`key_argnum`, and typed keys found in the arguments), so
+devices draw independent masks; not the plain step's draws (a mask drawn over the
+global batch cannot be cut into per-device masks), deterministic given the key and
+the device count. Aux leaves with a leading dimension of the device's rows come
+back concatenated in row order; others as the weighted mean (`aux_reductions`).
+
 How: a `jax.shard_map` manual over the mesh axis runs `fun` on each device's rows
-with the differentiated arguments cast to varying (so autodiff does not psum),
-then casts the local gradient to unreduced (`out_specs=P(unreduced={axis})`).
-JAX 0.10 limits (see `_unreduced`): the mesh's other axes must have size 1, and
-Auto meshes have no unreduced type; both give a ValueError that says what to use
-instead.
+without vma checking: autodiff then leaves each device its local gradient (no
+psum over the replicated parameters), and loops whose carry starts as a constant
+(an RNN from zeros) type-check as they do outside; the local gradient leaves as
+unreduced (`out_specs=P(unreduced={axis})`). Model code that names the data axis
+in a sharding annotation, and a loss that closes over a batch sharded over it,
+cannot run per device and are refused by name (`_explain`). JAX 0.10 limits (see
+`_unreduced`): the mesh's other axes must have size 1, and Auto meshes have no
+unreduced type; both give a ValueError that says what to use instead.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _unreduced, parallel
+from jaxaccum import _unreduced
 
 
 def _argnums_tuple(argnums) -> tuple[int, ...]:
@@ -45,10 +57,102 @@ def _argnums_tuple(argnums) -> tuple[int, ...]:
   return nums
 
 
+def _replicated(x) -> bool:
+  return all(a is None for a in _spec_of(x))
+
+
 def _spec_of(x) -> P:
   """The sharding spec `x` has here (P() for a value without one); unreduced/reduced parts dropped."""
   spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
   return P() if spec is None else P(*spec.partitions)  # `*spec` is refused with an unreduced/reduced set
+
+
+_REDUCTIONS = ("mean", "sum", "concat")
+
+
+def _is_key(x) -> bool:
+  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _fold(key, index):
+  """`jax.random.fold_in(key, index)` for a typed key array of any shape, or a raw key (uint32[..., 2])."""
+  if _is_key(key):
+    flat = key.reshape(-1)
+    return jax.vmap(lambda k: jax.random.fold_in(k, index))(flat).reshape(key.shape)
+  raw = jnp.asarray(key)
+  if raw.dtype != jnp.uint32 or raw.ndim < 1 or raw.shape[-1] != 2:
+    raise TypeError(
+      f"key_argnum names an argument with a leaf of {raw.dtype}{list(raw.shape)}: a PRNG key is a typed key "
+      "(jax.random.key) or a raw uint32[2] key (jax.random.PRNGKey)"
+    )
+  flat = raw.reshape(-1, 2)
+  return jax.vmap(lambda k: jax.random.fold_in(k, index))(flat).reshape(raw.shape)
+
+
+def _check_reductions(aux_reductions) -> None:
+  if aux_reductions is None:
+    return
+  bad = [r for r in jax.tree.leaves(aux_reductions) if r not in _REDUCTIONS]
+  if bad or not jax.tree.leaves(aux_reductions):
+    raise ValueError(
+      f"aux_reductions={aux_reductions!r}: each leaf must be one of {_REDUCTIONS} (a single string applies to "
+      "every aux leaf), or None (scalars and per-feature leaves: 'mean'; leaves with a leading dimension of "
+      "the device's rows: 'concat')"
+    )
+
+
+def _aux_modes(aux_shapes, aux_reductions, rows):
+  """Per aux leaf: "mean", "sum" or "concat" (from `aux_reductions`, else the default rule)."""
+  if aux_reductions is None:
+    return jax.tree.map(
+      lambda s: "concat" if s.ndim >= 1 and rows is not None and s.shape[0] == rows else "mean", aux_shapes
+    )
+  try:
+    return jax.tree.broadcast(aux_reductions, aux_shapes)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+      f"aux_reductions={aux_reductions!r} is not a tree prefix of aux {jax.tree.structure(aux_shapes)}"
+    ) from e
+
+
+def _local_rows(arrays, specs, axis_name) -> int | None:
+  """The leading size of each device's rows: of the first argument leaf sharded over the axis on dim 0."""
+  for x, s in zip(arrays, specs, strict=True):
+    first = s[0] if len(s) else None
+    if first is not None and axis_name in _unreduced.names(first):
+      return x.shape[0] // _axis_size(x, axis_name)
+  return None
+
+
+def _axis_size(x, axis_name) -> int:
+  mesh = _unreduced.mesh_of(x)
+  return dict(mesh.shape)[axis_name]
+
+
+# What JAX says, inside ja.grad's shard_map, about model code written for the global batch; and what it means.
+_MANUAL_ANNOTATION = ("cannot contain axis names that are of type Auto or Manual", "of type: AxisType.Manual")
+_CLOSURE = "Closing over inputs to shard_map where the input is sharded on `Explicit` axes"
+
+
+def _explain(e: Exception, axis_name) -> Exception | None:
+  text = str(e)
+  if any(s in text for s in _MANUAL_ANNOTATION):
+    return ValueError(
+      f"ja.grad: fun annotates a sharding over the data axis {axis_name!r} (jax.sharding.reshard(x, P({axis_name!r}, "
+      f"...)) or out_sharding=P({axis_name!r}, ...), as the JAX training cookbook writes activations). ja.grad runs "
+      f"fun on each device's own rows (a jax.shard_map manual over {axis_name!r}), where that axis cannot be "
+      f"named: drop the {axis_name!r} entries from the annotations inside fun (the rows are already split), or "
+      "keep the annotated code and take jax.grad with ja.accumulate(...) without axis_name (one all-reduce per "
+      "call), or ja.make_train_step"
+    )
+  if _CLOSURE in text:
+    return ValueError(
+      f"ja.grad: fun reads an array sharded over {axis_name!r} from the enclosing scope (a closure, e.g. "
+      "def loss(params): ... batch ...). ja.grad can give each device its rows only of fun's arguments: take the "
+      f"batch as an argument, def loss(params, batch), and call ja.grad(loss, axis_name={axis_name!r})(params, "
+      "batch)"
+    )
+  return None
 
 
 def value_and_grad(
@@ -58,35 +162,59 @@ def value_and_grad(
   axis_name: str,
   has_aux: bool = False,
   weight_fn: Callable[[Any], Any] | None = None,
+  key_argnum: int | None = None,
+  aux_reductions: Any = None,
 ) -> Callable:
   """`jax.value_and_grad` whose gradient is left unreduced over `axis_name` (see the module docstring).
 
   Args:
     fun: the loss, `fun(*args) -> scalar` (or `(scalar, aux)` with `has_aux`),
-      written for any number of rows: it runs on each device's rows.
+      written for any number of rows: it runs on each device's rows. It must
+      take its batch as an argument (a batch sharded over the axis read from
+      the enclosing scope is refused) and not name `axis_name` in sharding
+      annotations (refused: each device already holds only its rows).
     argnums: which positional arguments to differentiate (int or sequence).
       They are replicated inside (a leaf sharded over the axis is gathered).
     axis_name: the Explicit mesh axis the batch is sharded over, e.g. "data".
-    has_aux: `fun` returns (loss, aux); aux (floating leaves only) comes back
-      as the weighted mean over devices, like the loss.
+    has_aux: `fun` returns (loss, aux).
     weight_fn: None (each device's share weighs 1: right for a mean loss with
       equal rows per device) or `weight_fn(batch) -> scalar`, `batch` the local
       rows of the arguments not in `argnums` (the one argument itself, or a
       tuple of several): e.g. the number of real tokens, so that padding or
-      unequal shares weigh what they hold. A weight of 0 everywhere gives a
-      zero gradient and a NaN value.
+      unequal shares weigh what they hold. A device whose weight is 0 (or not
+      finite, or negative) contributes exactly nothing, even where its loss is
+      0/0 = NaN (selected out, never multiplied by 0). All weights 0: a zero
+      gradient and a NaN value (the plain step's 0/0).
+    key_argnum: a positional argument holding PRNG keys (a key, or a pytree of
+      them). Device d's rows get `jax.random.fold_in(key, d)`, so devices draw
+      independent dropout masks, as ja.microbatch does per microbatch. Typed
+      keys (`jax.random.key`) in the other non-differentiated arguments (e.g.
+      an nnx model's rng state) are folded the same way without being named;
+      a raw `PRNGKey` must be named here. The draws are not the plain step's
+      (its mask over the global batch cannot be cut into per-device masks);
+      they are deterministic given the key and the device count.
+    aux_reductions: how each aux leaf is combined over devices: "mean" (the
+      weighted mean, like the loss: floating leaves), "sum", or "concat"
+      (per-example leaves, returned in the global row order). A string, or a
+      tree prefix of aux. None: "concat" for a leaf whose leading dimension is
+      the device's rows (the leading size of the first argument sharded over
+      the axis), "mean" for the others.
 
   Returns:
     A function of `fun`'s arguments returning `(value, grads)` (`((value, aux),
-    grads)` with `has_aux`): value and aux replicated, grads unreduced over
-    `axis_name` (typed `{U:axis}`), in the structure of the argument(s) in `argnums`.
+    grads)` with `has_aux`): value and aux global, grads unreduced over
+    `axis_name` (typed `{U:axis}`), in the structure of the argument(s) in
+    `argnums`. Reduce them with `ja.accumulate(..., axis_name=)`,
+    `ja.microbatch(..., axis_name=)` or `jax.reshard(g, P())`: an unreduced
+    value given to plain optax fails inside JAX (e.g. `integer_pow` in adam).
 
   Raises:
     ValueError: `axis_name` bound by an enclosing pmap/shard_map (use
       `jax.grad` there, on parameters cast to varying), not an Explicit axis of
-      the mesh, or a mesh with another axis of size > 1 (JAX 0.10); each says
-      what to use instead. TypeError: bad `argnums`, `weight_fn` not callable,
-      a non-floating aux leaf, a non-scalar loss.
+      the mesh, or a mesh with another axis of size > 1 (JAX 0.10); a closure
+      over a sharded batch; a sharding annotation naming the axis inside
+      `fun`; each says what to use instead. TypeError: bad `argnums`,
+      `weight_fn` not callable, a non-floating "mean" aux leaf, a non-scalar loss.
   """
   if not callable(fun):
     raise TypeError(f"fun={fun!r} must be callable")
@@ -97,10 +225,18 @@ def value_and_grad(
     raise TypeError(f"weight_fn={weight_fn!r} must be callable (batch -> scalar weight) or None")
   if not isinstance(has_aux, bool):
     raise TypeError(f"{has_aux=} must be a bool")
+  if key_argnum is not None and (not isinstance(key_argnum, int) or isinstance(key_argnum, bool) or key_argnum < 0):
+    raise TypeError(f"{key_argnum=} must be a non-negative int (a positional argument) or None")
+  if key_argnum is not None and key_argnum in nums:
+    raise ValueError(f"{key_argnum=} is also one of argnums={argnums!r}: a key is not differentiated")
+  if aux_reductions is not None and not has_aux:
+    raise ValueError(f"aux_reductions={aux_reductions!r} needs has_aux=True")
+  _check_reductions(aux_reductions)
 
   def wrapped(*args):
-    if max(nums) >= len(args):
-      raise TypeError(f"argnums={argnums!r} names argument {max(nums)}, but the call has {len(args)}")
+    if max(nums) >= len(args) or (key_argnum is not None and key_argnum >= len(args)):
+      named = max(max(nums), -1 if key_argnum is None else key_argnum)
+      raise TypeError(f"argnums={argnums!r}, {key_argnum=} name argument {named}, but the call has {len(args)}")
     if _unreduced.is_bound(axis_name):
       raise ValueError(
         f"ja.grad: {axis_name=} is bound by an enclosing pmap/shard_map: there, use jax.grad on parameters cast "
@@ -110,19 +246,30 @@ def value_and_grad(
     leaves, treedef = jax.tree.flatten(list(args))
     is_array = [isinstance(x, (jax.Array, jnp.ndarray)) or hasattr(x, "__jax_array__") for x in leaves]
     arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
-    # Which flat leaves belong to differentiated arguments: replicated inside.
+    # Which flat leaves belong to differentiated arguments (replicated inside), which are keys (folded inside).
     owner = jax.tree.flatten([[i] * len(jax.tree.leaves(a)) for i, a in enumerate(args)])[0]
-    diff_leaf = [o in nums for o, a in zip(owner, is_array, strict=True) if a]
+    owners = [o for o, a in zip(owner, is_array, strict=True) if a]
+    diff_leaf = [o in nums for o in owners]
+    # A typed key sharded over the axis is per-row data (each row its key) and reaches its device as it is;
+    # a replicated one would give every device the same draws, so it is folded, as is all of key_argnum.
+    key_leaf = [
+      o == key_argnum or (o not in nums and _is_key(x) and _replicated(x)) for o, x in zip(owners, arrays, strict=True)
+    ]
     specs = [P() if d else _spec_of(x) for x, d in zip(arrays, diff_leaf, strict=True)]
+    rows = _local_rows(arrays, specs, axis_name)
+    # A differentiated leaf sharded over the axis (FSDP-style) is gathered once here: each device's loss needs
+    # all of it. Its gradient comes back unreduced at full size; ja.accumulate reduce-scatters it at the window end.
+    with _unreduced.mesh_context(arrays):  # placed arguments are enough: no jax.set_mesh needed
+      arrays = [jax.reshard(x, P()) if d and not _replicated(x) else x for x, d in zip(arrays, diff_leaf, strict=True)]
 
     def rebuild(array_values):
       it = iter(array_values)
       return jax.tree.unflatten(treedef, [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)])
 
-    def body(*local_args):
-      local = [lax.pcast(x, axis_name, to="varying") if d else x for x, d in zip(local_args, diff_leaf, strict=True)]
-      full = rebuild(local)
-      diff = tuple(full[i] for i in nums)
+    def local_call(local_args):
+      """fun's arguments on this device: keys folded with the device index; and fun of the differentiated ones."""
+      index = lax.axis_index(axis_name)
+      full = rebuild([_fold(x, index) if k else x for x, k in zip(local_args, key_leaf, strict=True)])
 
       def loss_of(*d):
         call = list(full)
@@ -130,36 +277,82 @@ def value_and_grad(
           call[i] = v
         return fun(*call)
 
-      out, grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(nums))), has_aux=has_aux)(*diff)
+      return full, loss_of
+
+    def probe(*local_args):
+      """aux's structure and per-device shapes (trace only): each leaf with a leading axis of one per device."""
+      full, loss_of = local_call(local_args)
+      return jax.tree.map(lambda x: jnp.asarray(x)[None], loss_of(*(full[i] for i in nums))[1])
+
+    # The body runs without vma checking: fun's own loops may start their carry from a constant (an RNN from
+    # zeros, a fori_loop from 0.0), which a checked body would type as invariant against a varying output.
+    # Unchecked, autodiff leaves each device its local gradient (no psum for the replicated parameters),
+    # which is exactly the partial sum the unreduced output wants.
+    smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=tuple(specs), check_vma=False)
+    modes = None
+    if has_aux:
+      shapes = _trace(lambda: jax.eval_shape(smap(probe, out_specs=P(axis_name)), *arrays), axis_name)
+      modes = _aux_modes(
+        jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes), aux_reductions, rows
+      )
+
+    def body(*local_args):
+      full, loss_of = local_call(local_args)
+      out, grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(nums))), has_aux=has_aux)(
+        *(full[i] for i in nums)
+      )
       loss, aux = out if has_aux else (out, None)
       if jnp.ndim(loss) != 0:
         raise TypeError(f"fun must return a scalar loss, got shape {jnp.shape(loss)}")
+      dtype = jnp.result_type(loss)
       if weight_fn is None:
         # Equal shares: 1/n, known here, so no scalar collective for the total.
-        share = lax.pcast(jnp.asarray(1 / lax.axis_size(axis_name), jnp.result_type(loss)), axis_name, to="varying")
+        keep, share, total = None, jnp.asarray(1 / lax.axis_size(axis_name), dtype), None
       else:
         rest = [full[i] for i in range(len(full)) if i not in nums]
-        w_local = jnp.asarray(weight_fn(rest[0] if len(rest) == 1 else tuple(rest)), jnp.result_type(loss))
-        w_local = lax.pcast(w_local, axis_name, to="varying") if axis_name not in _vma(w_local) else w_local
-        total = lax.psum(w_local, axis_name)  # a scalar: the only collective of a micro-step
-        share = w_local / jnp.where(total > 0, total, jnp.ones_like(total))
-      value = lax.psum(share * loss, axis_name)
+        w = jnp.asarray(weight_fn(rest[0] if len(rest) == 1 else tuple(rest)), dtype)
+        if jnp.ndim(w) != 0:
+          raise TypeError(f"weight_fn must return a scalar, got shape {jnp.shape(w)}")
+        # A device of weight 0 (padding only: its loss may be 0/0) or of an invalid weight adds exactly nothing.
+        keep = jnp.isfinite(w) & (w > 0)
+        w = jnp.where(keep, w, jnp.zeros_like(w))
+        total = lax.psum(w, axis_name)  # a scalar: the only collective of a micro-step
+        share = w / jnp.where(total > 0, total, jnp.ones_like(total))
+
+      def part(x):
+        """This device's term share * x of the weighted mean; exactly 0 where the device does not count."""
+        x = share.astype(x.dtype) * x
+        return x if keep is None else jnp.where(keep, x, jnp.zeros_like(x))
+
+      value = lax.psum(part(loss), axis_name)
+      if total is not None:
+        value = jnp.where(total > 0, value, jnp.full_like(value, jnp.nan))  # no rows at all: the plain step's 0/0
       if has_aux:
-        aux = jax.tree.map(lambda x, p: _mean_aux(x, share, p), aux, _paths(aux))
-      grads = jax.tree.map(lambda g: lax.pcast(g * share.astype(g.dtype), axis_name, to="unreduced"), grads)
+        aux = jax.tree.map(lambda x, m, p: _reduce_aux(x, m, p, part, axis_name), aux, modes, _paths(aux))
+      grads = jax.tree.map(part, grads)
       grads = grads[0] if isinstance(argnums, int) else grads
       return ((value, aux) if has_aux else value), grads
 
-    # A differentiated leaf sharded over the axis (FSDP-style) is gathered once here: each device's loss needs
-    # all of it. Its gradient comes back unreduced at full size; ja.accumulate reduce-scatters it at the window end.
-    arrays = [
-      jax.reshard(x, P()) if d and any(a is not None for a in _spec_of(x)) else x
-      for x, d in zip(arrays, diff_leaf, strict=True)
-    ]
-    out_specs = ((P(), P()) if has_aux else P(), P(unreduced={axis_name}))
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs)(*arrays)
+    aux_specs = jax.tree.map(lambda m: P(axis_name) if m == "concat" else P(), modes) if has_aux else None
+    out_specs = ((P(), aux_specs) if has_aux else P(), P(unreduced={axis_name}))
+    return _trace(lambda: smap(body, out_specs=out_specs)(*arrays), axis_name)
 
   return wrapped
+
+
+def _trace(call, axis_name):
+  """`call()`, with JAX's errors about model code written for the global batch turned into ja.grad's own."""
+  try:
+    return call()
+  except Exception as e:
+    explained = _explain(e, axis_name)
+    if explained is None:
+      e.add_note(
+        f"(raised inside ja.grad, which runs fun on each device's rows in a jax.shard_map manual over "
+        f"{axis_name!r}, without vma checking; see the own-jit guide, 'What runs, and what is refused')"
+      )
+      raise
+    raise explained from e
 
 
 def grad(
@@ -169,22 +362,28 @@ def grad(
   axis_name: str,
   has_aux: bool = False,
   weight_fn: Callable[[Any], Any] | None = None,
+  key_argnum: int | None = None,
+  aux_reductions: Any = None,
 ) -> Callable:
   """`jax.grad` whose result is left unreduced over `axis_name`: `ja.value_and_grad` without the value.
 
   Returns grads (or `(grads, aux)` with `has_aux`). See `value_and_grad`.
   """
-  vg = value_and_grad(fun, argnums, axis_name=axis_name, has_aux=has_aux, weight_fn=weight_fn)
+  vg = value_and_grad(
+    fun,
+    argnums,
+    axis_name=axis_name,
+    has_aux=has_aux,
+    weight_fn=weight_fn,
+    key_argnum=key_argnum,
+    aux_reductions=aux_reductions,
+  )
 
   def wrapped(*args):
     out, grads = vg(*args)
     return (grads, out[1]) if has_aux else grads
 
   return wrapped
-
-
-def _vma(x) -> frozenset:
-  return parallel._varying_axes(x) or frozenset()  # noqa: SLF001 -- the one reader of this JAX's typing
 
 
 def _paths(tree):
@@ -195,13 +394,18 @@ def _tree_paths(tree):
   return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
-def _mean_aux(x, share, path):
+def _reduce_aux(x, mode, path, part, axis_name):
+  """One aux leaf over the devices: the weighted mean (as the loss), the sum, or the rows in order ("concat")."""
   x = jnp.asarray(x)
+  if mode == "concat":
+    if x.ndim == 0:
+      raise ValueError(f"aux{path} is a scalar: 'concat' needs a leading dimension of rows (use 'mean' or 'sum')")
+    return x
+  if mode == "sum":
+    return lax.psum(x, axis_name)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(
       f"aux{path} has dtype {x.dtype}: ja.grad returns aux as the weighted mean over devices, which needs "
-      "floating leaves (return a count as a float, or sum it yourself)"
+      "floating leaves (return a count as a float, or pass aux_reductions='sum' or 'concat' for it)"
     )
-  if axis_vary := _vma(share) - _vma(x):
-    x = lax.pcast(x, tuple(axis_vary), to="varying")
-  return lax.psum(share.astype(x.dtype) * x, tuple(_vma(share)))
+  return lax.psum(part(x), axis_name)

@@ -436,3 +436,271 @@ def test_update_without_params_reduces_into_replicated_updates():
   np.testing.assert_array_equal(outs[0], np.zeros(3))
   expected = -0.5 * jax.grad(loss)(params, x.reshape(32, 3))["w"]
   np.testing.assert_allclose(outs[1], expected, rtol=RTOL)
+
+
+# Issue 25: real model code through ja.grad and the own-jit ja.accumulate.
+
+
+def zero_over_zero_loss(q, batch):
+  """The usual masked mean, unguarded: a device holding only padding rows computes 0/0 = NaN."""
+  x, y, m = batch
+  err = jnp.sum((mlp_apply(q, x) - y) ** 2, -1)
+  return jnp.sum(m * err) / jnp.sum(m)
+
+
+def test_a_device_of_padding_only_contributes_exactly_nothing():
+  """weight_fn = real rows, device 0 all padding (its loss 0/0): ja.grad selects it out, and one sgd window of
+  two microbatches through ja.accumulate(axis_name=) equals the plain step on the union (was NaN everywhere)."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 64)
+  mask = MASK.at[:8].set(0.0).at[32:40].set(0.0)  # device 0's rows of both microbatches: padding only
+  halves = [(x[:32], y[:32], mask[:32]), (x[32:], y[32:], mask[32:])]
+  real = lambda b: jnp.sum(b[2])  # noqa: E731
+  mesh = explicit_mesh()
+  tx = ja.accumulate(optax.sgd(0.1), 2, axis_name="data")
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    state = tx.init(p)
+    vg = ja.value_and_grad(zero_over_zero_loss, axis_name="data", weight_fn=real)
+    value, g = jax.jit(lambda q, b: jax.tree.map(lambda a: jax.reshard(a, P()), vg(q, b)))(
+      p, jax.device_put(halves[0], NamedSharding(mesh, P("data")))
+    )
+
+    @jax.jit
+    def step(q, s, b):
+      u, s = tx.update(ja.grad(zero_over_zero_loss, axis_name="data", weight_fn=real)(q, b), s, q, weight=real(b))
+      return optax.apply_updates(q, u), s
+
+    for half in halves:
+      p, state = step(p, state, jax.device_put(half, NamedSharding(mesh, P("data"))))
+  ref_value, ref_grads = jax.value_and_grad(zero_over_zero_loss)(params, halves[0])
+  np.testing.assert_allclose(value, ref_value, rtol=RTOL)
+  chex.assert_trees_all_close(g, ref_grads, rtol=RTOL, atol=0)
+  ref = jax.tree.map(lambda a, b: a - 0.1 * b, params, jax.grad(zero_over_zero_loss)(params, (x, y, mask)))
+  chex.assert_trees_all_close(p, ref, rtol=RTOL, atol=0)
+
+
+def test_padding_devices_inside_microbatches_of_ja_value_and_grad():
+  """ja.microbatch(ja.value_and_grad(...), 4) with devices of padding only in some microbatches (0/0 losses)."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 64)
+  mask = MASK.at[:16].set(0.0)  # rows 0..15: device 0's and 1's rows of every microbatch
+  real = lambda b: jnp.sum(b[2])  # noqa: E731
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    batch = jax.device_put((x, y, mask), NamedSharding(mesh, P("data")))
+    vg = ja.value_and_grad(zero_over_zero_loss, axis_name="data", weight_fn=real)
+    value, grads = jax.jit(ja.microbatch(vg, 4, axis_name="data", weight_fn=real))(
+      jax.device_put(params, NamedSharding(mesh, P())), batch
+    )
+  ref_value, ref = jax.value_and_grad(zero_over_zero_loss)(params, (x, y, mask))
+  np.testing.assert_allclose(value, ref_value, rtol=RTOL)
+  chex.assert_trees_all_close(grads, ref, rtol=RTOL, atol=0)
+
+
+def dropout_loss(q, batch, key):
+  """The MLP with dropout on its hidden layer: the mask depends on the key and on the rows it is drawn for."""
+  x, y = batch
+  h = jnp.tanh(x @ q[0]["w"] + q[0]["b"])
+  h = h * jax.random.bernoulli(key, 0.5, h.shape) / 0.5
+  return jnp.mean(jnp.sum((h @ q[1]["w"] + q[1]["b"] - y) ** 2, -1))
+
+
+@pytest.mark.parametrize("typed", [False, True])
+def test_each_device_draws_its_own_key(typed):
+  """Device d's rows get fold_in(key, d): the mean over devices of the plain gradient of each device's rows with
+  that key. A raw PRNGKey is named by key_argnum; a typed key is folded without being named."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 32)
+  key = jax.random.key(7) if typed else jax.random.PRNGKey(7)
+  mesh = explicit_mesh()
+  kwargs = {} if typed else {"key_argnum": 2}
+  with jax.set_mesh(mesh):
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    g = jax.jit(
+      lambda q, b, k: jax.tree.map(
+        lambda a: jax.reshard(a, P()), ja.grad(dropout_loss, axis_name="data", **kwargs)(q, b, k)
+      )
+    )(jax.device_put(params, NamedSharding(mesh, P())), batch, key)
+  rows = [(x[4 * d : 4 * d + 4], y[4 * d : 4 * d + 4]) for d in range(N_DEV)]
+  per_device = [jax.grad(dropout_loss)(params, r, jax.random.fold_in(key, d)) for d, r in enumerate(rows)]
+  same_key = [jax.grad(dropout_loss)(params, r, key) for r in rows]
+  mean = lambda gs: jax.tree.map(lambda *a: sum(a) / N_DEV, *gs)  # noqa: E731
+  chex.assert_trees_all_close(g, mean(per_device), rtol=RTOL, atol=1e-15)
+  assert float(jnp.max(jnp.abs(g[0]["w"] - mean(same_key)[0]["w"]))) > 1e-3  # not the key as it came
+
+
+def test_per_example_aux_comes_back_in_row_order_and_reductions_are_explicit():
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 32)
+
+  def loss(q, batch):
+    x, y = batch
+    out = mlp_apply(q, x)
+    per_row = jnp.sum((out - y) ** 2, -1)
+    return jnp.mean(per_row), {"per_row": per_row, "logits": out, "mean_out": jnp.mean(out, 0), "n": x.shape[0]}
+
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    (value, aux), _ = jax.jit(
+      ja.value_and_grad(
+        loss,
+        axis_name="data",
+        has_aux=True,
+        aux_reductions={"per_row": "concat", "logits": "concat", "mean_out": "mean", "n": "sum"},
+      )
+    )(p, batch)
+    (value2, aux2), _ = jax.jit(
+      ja.value_and_grad(lambda q, b: (loss(q, b)[0], loss(q, b)[1]["per_row"]), axis_name="data", has_aux=True)
+    )(p, batch)
+    with pytest.raises(ValueError, match="aux_reductions"):
+      ja.value_and_grad(loss, axis_name="data", has_aux=True, aux_reductions="max")
+  (ref_value, ref_aux) = loss(params, (x, y))
+  assert aux["per_row"].shape == (32,) and aux["logits"].shape == (32, 2) and aux2.shape == (32,)
+  np.testing.assert_allclose(value, ref_value, rtol=RTOL)
+  for name in ("per_row", "logits", "mean_out"):
+    np.testing.assert_allclose(aux[name], ref_aux[name], rtol=RTOL)
+  np.testing.assert_allclose(aux2, ref_aux["per_row"], rtol=RTOL)  # the default for a leading dim of rows
+  assert int(aux["n"]) == 32
+
+
+def test_closures_and_data_axis_annotations_are_refused_by_name():
+  """The cookbook's explicit-sharding code (reshard / out_sharding over "data") and a loss that reads its batch
+  from the enclosing scope: a jaxaccum error naming the construct and what to write instead."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 32)
+
+  def annotated(q, b):
+    x, y = b
+    h = jax.sharding.reshard(x, P("data", None))
+    h = jnp.tanh(jnp.dot(h, q[0]["w"], out_sharding=P("data", None)) + q[0]["b"])
+    return jnp.mean(jnp.sum((h @ q[1]["w"] + q[1]["b"] - y) ** 2, -1))
+
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match=r"ja\.grad: fun annotates a sharding over the data axis 'data'.*drop"):
+      jax.jit(ja.grad(annotated, axis_name="data"))(p, batch)
+    with pytest.raises(ValueError, match=r"ja\.grad: fun reads an array sharded over 'data' from the enclosing"):
+      jax.jit(lambda q, b: ja.grad(lambda q: mse_loss(q, b), axis_name="data")(q))(p, batch)
+
+
+def test_unreduced_gradients_given_to_a_consumer_that_cannot_reduce_them_are_refused():
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    tx, p, _, batch = adam_window(params, mesh)
+    g = jax.jit(ja.grad(mse_loss, axis_name="data"))(p, batch)
+    plain = ja.accumulate(optax.sgd(0.1), 2)
+    with pytest.raises(ValueError, match=r"ja\.accumulate: grads\[0\]\['b'\] is unreduced.*axis_name='data'.*reshard"):
+      jax.jit(lambda g, s: plain.update(g, s, p))(g, plain.init(p))
+    state = ja.flax.TrainState.create(apply_fn=None, params=p, tx=optax.adam(0.1))
+    with pytest.raises(ValueError, match=r"TrainState.apply_gradients.*is unreduced.*jax\.reshard\(g, P\(\)\)"):
+      jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, g)
+
+
+@pytest.mark.parametrize("under_jit", [False, True])
+def test_accumulate_init_and_step_need_no_set_mesh_with_placed_arguments(under_jit):
+  """Params and batches placed on the Explicit mesh are enough: init (eager or jitted) and the step, exact."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  windows = windows_of([16] * 4, 2)
+  mesh = explicit_mesh()
+  tx = ja.accumulate(optax.sgd(0.1), 2, axis_name="data")
+  p = jax.device_put(params, NamedSharding(mesh, P()))
+  state = jax.jit(tx.init)(p) if under_jit else tx.init(p)
+  assert all(_unreduced.is_unreduced(a, "data") for a in jax.tree.leaves(state.acc_grads))
+  step = own_jit_step(tx, False)
+  for window in windows:
+    for m in window:
+      p, state = step(p, state, jax.device_put(m, NamedSharding(mesh, P("data"))))
+  chex.assert_trees_all_close(p, full_batch_run(optax.sgd(0.1), params, windows), rtol=RTOL, atol=0)
+
+
+@pytest.mark.parametrize("saved_after", [1, 3])
+def test_checkpoint_of_an_own_jit_run_continues_bit_for_bit(saved_after, tmp_path):
+  """Saved mid-window (1 of 3 microbatches) or at a window end (3), restored into the live state and into
+  jax.eval_shape's: the continued run equals the uninterrupted one exactly, accumulator unreduced again."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  mesh = explicit_mesh()
+  tx = ja.accumulate(optax.adam(0.1), 3, axis_name="data")
+  micro = [m for w in windows_of([16] * 5, 1) for m in w]
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    state = tx.init(p)
+    step = own_jit_step(tx, True)
+    batches = [jax.device_put(m, NamedSharding(mesh, P("data"))) for m in micro]
+    for b in batches[:saved_after]:
+      p, state = step(p, state, b)
+    ja.checkpoint.save(tmp_path / "ckpt", (p, state))
+    restored = [
+      ja.checkpoint.restore(tmp_path / "ckpt", like=(p, state)),
+      ja.checkpoint.restore(tmp_path / "ckpt", like=jax.eval_shape(lambda: (p, state))),
+    ]
+    for b in batches[saved_after:]:
+      p, state = step(p, state, b)
+    for rp, rs in restored:
+      assert all(_unreduced.is_unreduced(a, "data") for a in jax.tree.leaves(rs.acc_grads))
+      for b in batches[saved_after:]:
+        rp, rs = step(rp, rs, b)
+      chex.assert_trees_all_equal(rp, p)
+      chex.assert_trees_all_equal(rs.inner_state, state.inner_state)
+
+
+def rnn_loss(q, batch):
+  """A recurrence whose lax.scan starts from zeros (a constant carry)."""
+  x, y = batch
+  h, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ q[0]["w"][:, :3] + x), None), jnp.zeros(x.shape), None, length=3)
+  return jnp.mean(jnp.sum((h @ q[0]["w"] @ q[1]["w"] + q[1]["b"] - y) ** 2, -1))
+
+
+def penalised_loss(q, batch):
+  """A penalty summed from 0.0 in a fori_loop, and a power iteration from a constant vector."""
+  w = q[0]["w"]
+  pen = jax.lax.fori_loop(0, 3, lambda i, acc: acc + jnp.sum(w**2) / (i + 1), 0.0)
+  v = jax.lax.fori_loop(0, 4, lambda i, v: (w.T @ (w @ v)) / jnp.linalg.norm(w.T @ (w @ v)), jnp.ones(w.shape[1]))
+  return mse_loss(q, batch) + 0.01 * pen + 0.1 * jnp.linalg.norm(w @ v)
+
+
+@pytest.mark.parametrize("loss", [rnn_loss, penalised_loss])
+def test_loops_whose_carry_starts_as_a_constant(loss):
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 32)
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    g = jax.jit(lambda q, b: jax.tree.map(lambda a: jax.reshard(a, P()), ja.grad(loss, axis_name="data")(q, b)))(
+      jax.device_put(params, NamedSharding(mesh, P())), batch
+    )
+  chex.assert_trees_all_close(g, jax.grad(loss)(params, (x, y)), rtol=RTOL, atol=1e-15)
+
+
+def test_per_row_keys_and_a_sharded_parameter_without_set_mesh():
+  """Typed keys sharded with the rows are per-row data (not folded); a parameter sharded over the axis is
+  gathered; no jax.set_mesh: value, per-row aux and gradient equal the plain step's."""
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (16, 2), jnp.float64), "b": jnp.zeros((2,), jnp.float64)}
+  x = jax.random.normal(jax.random.PRNGKey(1), (32, 16), jnp.float64)
+  y = jax.random.normal(jax.random.PRNGKey(2), (32, 2), jnp.float64)
+  keys = jax.random.split(jax.random.key(3), 32)
+
+  def loss(q, batch):
+    x, y, k = batch
+    out = (x * jax.vmap(lambda kk: jax.random.bernoulli(kk, 0.5, (16,)))(k)) @ q["w"] + q["b"]
+    return jnp.mean((out - y) ** 2), jnp.sum((out - y) ** 2, -1)
+
+  mesh = explicit_mesh()
+  replicated = NamedSharding(mesh, P())
+  p = {"w": jax.device_put(params["w"], NamedSharding(mesh, P("data"))), "b": jax.device_put(params["b"], replicated)}
+  batch = jax.device_put((x, y, keys), NamedSharding(mesh, P("data")))
+  (value, aux), g = jax.jit(
+    lambda q, b: jax.tree.map(
+      lambda a: jax.reshard(a, replicated) if _unreduced.axes_of(a) else a,
+      ja.value_and_grad(loss, axis_name="data", has_aux=True)(q, b),
+    )
+  )(p, batch)
+  (ref_value, ref_aux), ref = jax.value_and_grad(loss, has_aux=True)(params, (x, y, keys))
+  np.testing.assert_allclose(value, ref_value, rtol=RTOL)
+  np.testing.assert_allclose(aux, ref_aux, rtol=RTOL)
+  chex.assert_trees_all_close(g, ref, rtol=RTOL, atol=0)
