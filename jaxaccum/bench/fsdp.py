@@ -405,7 +405,7 @@ def skip_table(width: int = 512, depth: int = 12, batch: int = 256, k: int = 4, 
   devices = jax.devices()[:8]
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
   hsdp_mesh = jax.make_mesh((2, 4), ("replica", "shard"), axis_types=(AxisType.Auto,) * 2, devices=devices)
-  opts = (
+  opts: tuple = (
     ("adam", optax.adam(1e-3)),
     ("clip_by_global_norm + adamw", optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))),
   )
@@ -413,7 +413,7 @@ def skip_table(width: int = 512, depth: int = 12, batch: int = 256, k: int = 4, 
   loss = _loss("listed")
   x = jax.random.normal(jax.random.PRNGKey(0), (batch, width), jnp.float32)
   y = jnp.zeros((batch, width), jnp.float32)
-  cases = (  # name, strategy, mesh, data_axis, fsdp_gather
+  cases: tuple = (  # name, strategy, mesh, data_axis, fsdp_gather
     ("ddp", "ddp", mesh, "data", None),
     ("zero1", "zero1", mesh, "data", None),
     ("fsdp per_microbatch", "fsdp", mesh, "data", "per_microbatch"),
