@@ -7,8 +7,10 @@ the machine has fewer.
 
 One module per section (`accumulate`, `microbatch`, `flax`, `lowcomm`, `sharded`, `fsdp`,
 `noise`, `grad`, `per_example`), each with
-`run(quick) -> list of {"title", "markdown", ...}`; `common` holds the MLP, its
-data and the timing helpers they share. Importing this package touches no device.
+`run(quick) -> list of {"title", "markdown", "data"}`; `common` holds the MLP, its
+data and the timing helpers they share. The JSON adds to each result its `id`
+(section/title slug) and its `tables` as structured rows; `figures` rewrites the
+docs' marked regions from them. Importing this package touches no device.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ def main(argv=None) -> int:
   _setup_devices(8)
   import jax  # noqa: PLC0415
 
+  from jaxaccum.bench.figures import structured  # noqa: PLC0415
+
   header = {
     "date": datetime.date.today().isoformat(),
     "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
@@ -65,7 +69,8 @@ def main(argv=None) -> int:
     module = importlib.import_module(f"jaxaccum.bench.{name}")
     for result in module.run(quick=args.quick):
       print(f"## {result['title']}\n\n{result['markdown']}\n", flush=True)
-      results.append({"section": name, **result})
+      # With its id and its tables as structured rows: what `python -m jaxaccum.bench.figures` reads.
+      results.append(structured(name, {"section": name, **result}))
   report = {"header": header, "sections": results}
   with open(args.json, "w") as f:
     json.dump(report, f, indent=2, default=float)
