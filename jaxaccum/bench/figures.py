@@ -287,14 +287,14 @@ def _compare(region: re.Match, fresh: dict, cols: tuple | None, where: str) -> l
   page_tables = tables(have)
   fresh_tables = tables(render({**fresh, "header": _NO_HEADER}, opts))
   out = []
-  for got, want in zip(page_tables, fresh_tables, strict=False):
-    keep = [c for c in want["columns"] if cols is None or c in cols]
+  for on_page, from_bench in zip(page_tables, fresh_tables, strict=False):
+    keep = [c for c in from_bench["columns"] if cols is None or c in cols]
     for c in keep:
-      if c not in got["columns"]:
+      if c not in on_page["columns"]:
         out.append(f"{where}: {fresh['id']}: column {c!r} missing from the page")
         continue
-      g = [row[got["columns"].index(c)] for row in got["rows"]]
-      w = [row[want["columns"].index(c)] for row in want["rows"]]
+      g = [row[on_page["columns"].index(c)] for row in on_page["rows"]]
+      w = [row[from_bench["columns"].index(c)] for row in from_bench["rows"]]
       if g != w:
         out.append(f"{where}: {fresh['id']} {c!r}: the page says {g}, the bench {w}")
   if len(page_tables) != len(fresh_tables):
