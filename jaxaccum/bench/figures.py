@@ -18,11 +18,16 @@ Options after the id select part of a result:
 - `row="listed|4|(c) jaxaccum fsdp once" col="peak (MiB)"`: one cell, inline
   (a row is chosen by its leading cells), for a figure in running text.
 
-`--check` rewrites nothing and exits 1 if a region differs from what the JSON
-gives (so CI can tell a stale page); tests/test_figures.py recomputes the
-deterministic results (compiled memory, collective counts, HLO bytes: the same
-for a given jax/XLA on any machine) and fails when a page prints other figures.
-Timings stay as the JSON has them, with its date and machine.
+The figures live in one store, docs/bench_results.json (every result the docs
+print, each with the header of the run that measured it: date, machine, jax).
+`--json report.json` merges a fresh bench report into it (a run of a few
+sections replaces those), then every page is rewritten from it. `--check`
+rewrites nothing and exits 1 if a page differs from the store. `--verify fast|full`
+recomputes the deterministic results (compiled memory, collective counts, HLO
+bytes: the same for a given jax/XLA on any machine) and exits 1 when a page
+prints other figures (tests/test_figures.py); `--refresh fast|full` stores those
+recomputed results and rewrites the pages, without a timing run. Timings stay
+as their run measured them, with its date and machine.
 """
 
 from __future__ import annotations
@@ -333,11 +338,21 @@ def main(argv=None) -> int:
     choices=("fast", "full"),
     help="recompute the deterministic results (fast: the small tables; full: all) and exit 1 if a page differs",
   )
+  parser.add_argument(
+    "--refresh",
+    choices=("fast", "full"),
+    help="recompute the deterministic results, merge them into the store and rewrite the pages (no timing run)",
+  )
   args = parser.parse_args(argv)
-  if args.verify:
-    from jaxaccum.bench import _setup_devices  # noqa: PLC0415
+  if args.verify or args.refresh:
+    from jaxaccum.bench import _setup_devices, run_header  # noqa: PLC0415
 
     _setup_devices(8)
+  if args.refresh:
+    header = run_header(quick=False)
+    fresh = {rid: {**r, "header": header} for rid, (r, _) in recompute(args.refresh).items()}
+    save(merge(load(args.store), fresh), args.store)
+  if args.verify:
     differences = verify(args.verify)
     for line in differences:
       print(line)
