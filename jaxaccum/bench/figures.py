@@ -13,10 +13,11 @@ The id is the section and the slug of the result's title (`result_id`).
 Options after the id select part of a result:
 
 - `table=N`: only its N-th table (from 1), with the run line;
-- `cols="a|b"`: only those columns (by header), `rows="x|y"`: only the rows
+- `cols="a;b"`: only those columns (by header), `rows="x;y"`: only the rows
   whose first cell is one of them (both imply a table, default the first);
-- `row="listed|4|(c) jaxaccum fsdp once" col="peak (MiB)"`: one cell, inline
-  (a row is chosen by its leading cells), for a figure in running text.
+- `row="listed;4;(c) jaxaccum fsdp once" col="peak (MiB)"`: one cell, inline
+  (a row is chosen by its leading cells), for a figure in running text or in
+  a table's cell (hence `;`, not `|`, between names).
 
 The figures live in one store, docs/bench_results.json (every result the docs
 print, each with the header of the run that measured it: date, machine, jax).
@@ -138,7 +139,7 @@ def render(result: dict, opts: dict[str, str]) -> str:
     if not ("row" in opts and "col" in opts):
       raise ValueError(f"{result['id']}: a cell needs both row= and col=, got {opts}")
     table = result["tables"][int(opts.get("table", "1")) - 1]
-    want = opts["row"].split("|")
+    want = opts["row"].split(";")
     found = [r for r in table["rows"] if r[: len(want)] == want]
     if len(found) != 1:
       raise KeyError(f"{result['id']}: {len(found)} rows start with {want}")
@@ -147,7 +148,7 @@ def render(result: dict, opts: dict[str, str]) -> str:
     return found[0][table["columns"].index(opts["col"])]
   if opts:
     table = result["tables"][int(opts.get("table", "1")) - 1]
-    split = lambda key: opts[key].split("|") if key in opts else None
+    split = lambda key: opts[key].split(";") if key in opts else None
     text = _table_markdown(table, split("cols"), split("rows"))
   else:
     text = result["markdown"]
