@@ -352,14 +352,14 @@ def main(argv=None) -> int:
   if args.refresh:
     header = run_header(quick=False)
     fresh = {rid: {**r, "header": header} for rid, (r, _) in recompute(args.refresh).items()}
-    save(merge(load(args.store), fresh), args.store)
+    save(merge(load(args.store) if pathlib.Path(args.store).exists() else {}, fresh), args.store)
   if args.verify:
     differences = verify(args.verify)
     for line in differences:
       print(line)
     print(f"{len(differences)} deterministic figure(s) differ from the bench at HEAD ({args.verify})")
     return 1 if differences else 0
-  results = load(args.store)
+  results = load(args.store) if pathlib.Path(args.store).exists() or args.check else {}
   if args.json:
     if args.check:
       parser.error("--check compares the pages with the store: run it without --json")
