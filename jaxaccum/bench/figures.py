@@ -152,7 +152,8 @@ def render(result: dict, opts: dict[str, str]) -> str:
     text = _table_markdown(table, split("cols"), split("rows"))
   else:
     text = result["markdown"]
-  return f"\n{text}\n\n{run_line(result['header'], result['section'])}\n"
+  # Blank lines around the block: a marker line directly above a table would make it part of an HTML block.
+  return f"\n\n{text}\n\n{run_line(result['header'], result['section'])}\n\n"
 
 
 def regions(text: str) -> Iterable[re.Match]:
