@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from jaxaccum import schedules
 from jaxaccum.accumulate import AccumulateState, accumulate, has_updated
 from jaxaccum.distributed import fail_fast
+from jaxaccum.hlo import collective_bytes, count_collectives
 from jaxaccum.lowcomm import diloco, local_sgd, stale
 from jaxaccum.microbatch import microbatch, pad_microbatches
 from jaxaccum.noise import (
@@ -64,6 +65,8 @@ __all__ = [
   "flax",
   "checkpoint",
   "fail_fast",
+  "count_collectives",
+  "collective_bytes",
   "micro_grad",
   "micro_vmap",
   "MicroGradAux",
