@@ -132,7 +132,7 @@ def _ring(base: str, opcode: str, result: str, n: int) -> float:
   return float(out)
 
 
-def _sync_bytes(text: str, mesh, replica_axis: str) -> tuple[float, float]:
+def _sync_bytes(text: str, mesh, replica_axis: str) -> tuple[float, list[float]]:
   """(ring bytes of the straight-line crossing collectives, [each conditional's costliest branch's]).
 
   Crossing: a collective whose device groups hold devices of two replicas or more.
@@ -142,9 +142,9 @@ def _sync_bytes(text: str, mesh, replica_axis: str) -> tuple[float, float]:
   ids = np.moveaxis(ids, mesh.axis_names.index(replica_axis), 0).reshape(mesh.shape[replica_axis], -1)
   replica = {int(d): r for r, row in enumerate(ids) for d in row}
 
-  def own(name, seen):
+  def own(name: str, seen: frozenset) -> tuple[float, list[float]]:
     """Ring bytes of the crossing collectives reachable from computation `name`, and its conditionals' peaks."""
-    total, peaks = 0.0, []
+    total, peaks = 0.0, []  # type: tuple[float, list[float]]
     if name not in computations or name in seen:
       return total, peaks
     seen = seen | {name}
