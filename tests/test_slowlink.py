@@ -48,7 +48,7 @@ def _reference(tx, params, batch, steps):
 
 
 _CASES = {
-  # name: (strategy, num_microbatches, diloco options); ddp on Explicit mesh axes, the others on Auto ones
+  # name: (strategy, num_microbatches, diloco options); zero1 on Auto mesh axes, the others on Explicit ones
   "ddp-plain": ("ddp", 2, dict(sync_every=2)),
   "ddp-streaming-int8-ef": (
     "ddp",
@@ -70,7 +70,7 @@ def test_equals_shard_map_with_diloco(name):
   params, batch = _setup()
   outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
   inner = optax.adam(0.05)
-  mesh = _mesh(explicit=strategy == "ddp")
+  mesh = _mesh(explicit=strategy != "zero1")
   step = ja.make_train_step(mse_loss, inner, mesh=mesh, strategy=strategy, num_microbatches=k, donate=False)
   dstep = ja.diloco_train_step(step, outer, **opts)
   sync_every = opts.pop("sync_every")
