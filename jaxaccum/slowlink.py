@@ -24,15 +24,16 @@ axis with `ja.diloco` and a data-parallel step per replica
 (tests/test_slowlink.py checks it to 1e-12 in float64, and counts the
 collectives that cross the replica axis in the compiled HLO).
 
-Skipped steps. The step skips an update whose mean gradient is not finite
-(or whose total weight is 0) and leaves that replica's optimizer state, and
-so its DiLoCo schedule, unchanged. DiLoCo's schedule must agree across
-replicas (a sync is a collective over all of them), so such a step must be
-skipped on every replica: feed every replica a batch with real rows. A
-replica that skips alone falls one update behind the others; its next sync
-then waits for a collective the others have already left (on several
-processes the job hangs; see `ja.fail_fast` for the deadline that turns a
-hang into an exit).
+Skipped steps (a known gap). The step skips an update whose mean gradient is
+not finite (or whose total weight is 0) and leaves that replica's optimizer
+state, and so its DiLoCo schedule, unchanged. DiLoCo's schedule must agree
+across replicas (a sync is a collective over all of them): a replica that
+skips alone falls one update behind, and its next sync waits for a collective
+the others have already left (on several processes the job hangs; see
+`ja.fail_fast` for the deadline that turns a hang into an exit). On a sync
+update the skipping replica's outer gradient still enters the all-reduce (the
+step computes the update, then selects), so a non-finite one reaches every
+replica's anchor. Feed every replica real, finite rows.
 """
 
 from __future__ import annotations
