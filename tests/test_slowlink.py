@@ -150,3 +150,26 @@ def test_bad_input_names_the_argument():
     dstep(params, s, batch)
   with pytest.raises(ValueError, match="not divisible by 2 replicas times 4 devices"):
     dstep(p, s, jax.tree.map(lambda a: a[:12], batch))
+
+
+def test_model_state_and_key_per_replica():
+  """Model state goes through per replica; a key is folded with the replica index (replicas draw differently)."""
+  params, batch = _setup()
+  same_rows = jax.tree.map(lambda a: jnp.concatenate([a[:16], a[:16]]), batch)  # both replicas see the same rows
+
+  def loss_fn(params, state, batch, key):
+    noise = jax.random.normal(key, (2,), params[0]["b"].dtype)
+    loss = mse_loss(params, batch) + noise[0] * jnp.sum(params[0]["b"])
+    return loss, {"count": state["count"] + 1, "mean": state["mean"]}
+
+  step = ja.make_train_step(loss_fn, optax.sgd(0.1), mesh=_mesh(), has_state=True, donate=False)
+  dstep = ja.diloco_train_step(step, optax.sgd(0.7), 8)
+  state = {"count": jnp.zeros((), jnp.int32), "mean": jnp.zeros(())}
+  p, st, s = dstep.init(params, state)
+  for _ in range(3):
+    p, st, s, metrics = dstep(p, st, s, same_rows, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(st["count"]), [3, 3])
+  b = np.asarray(p[0]["b"])
+  assert not np.allclose(b[0], b[1]), "the replicas drew the same key"
+  with pytest.raises(TypeError, match="init\\(params, state\\)"):
+    dstep.init(params)
