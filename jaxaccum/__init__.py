@@ -31,6 +31,7 @@ from jaxaccum.parallel import data_mesh, pmean, psum, replicate, shard_batch
 from jaxaccum.per_example import MicroGradAux, micro_grad, micro_vmap
 from jaxaccum.planner import plan_microbatches
 from jaxaccum.sharded import shard_train_state
+from jaxaccum.slowlink import DiLoCoTrainStep, diloco_train_step
 from jaxaccum.train_step import make_train_step
 
 __all__ = [
@@ -52,6 +53,8 @@ __all__ = [
   "local_sgd",
   "diloco",
   "stale",
+  "diloco_train_step",
+  "DiLoCoTrainStep",
   "noise_scale",
   "NoiseScale",
   "NoiseScaleState",
