@@ -25,7 +25,9 @@ def _mse(pred, y):
 
 
 def _mlp_init(key, sizes=(3, 6, 2), dtype=F64):
-  return [_dense(k, m, n, dtype) for k, m, n in zip(jax.random.split(key, len(sizes) - 1), sizes[:-1], sizes[1:])]
+  return [
+    _dense(k, m, n, dtype) for k, m, n in zip(jax.random.split(key, len(sizes) - 1), sizes[:-1], sizes[1:], strict=True)
+  ]
 
 
 def _mlp(params, x, act=jnp.tanh):
@@ -156,7 +158,9 @@ def _rnn_batch(key, n, t=4):
   return {"x": x, "y": jnp.cos(x.sum(1) @ jax.random.normal(ky, (2, 2), F64))}
 
 
-RNN = Model("rnn_zeros_carry", "jax", "an RNN: `lax.scan` over time from `h0 = zeros`", _rnn_init, _rnn_loss, _rnn_batch)
+RNN = Model(
+  "rnn_zeros_carry", "jax", "an RNN: `lax.scan` over time from `h0 = zeros`", _rnn_init, _rnn_loss, _rnn_batch
+)
 
 
 # --- custom derivatives ---------------------------------------------------------------------------------------------
