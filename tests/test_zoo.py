@@ -293,6 +293,7 @@ def reference(model, params, state, batch, groups):
     outs = [grad_and_state(model, params, state, take(batch, rows)) for rows in groups]
     g = jax.tree.map(lambda *xs: sum(xs) / len(xs), *[o[0] for o in outs])
     new_state = None if state is None else jax.tree.map(lambda *xs: sum(xs) / len(xs), *[o[1] for o in outs])
+    new_state = None if state is None else jax.tree.map(lambda a, s: a.astype(s.dtype), new_state, state)
   else:
     g, new_state = grad_and_state(model, params, state, batch)
   opt = optimizer()
@@ -316,7 +317,39 @@ class Cell:
 
 
 EXACT = Cell()
-CELLS: dict[tuple[str, str], Cell] = {}
+MESH_STEPS = ("step ddp", "step zero1", "step fsdp", "step fsdp once", "step hsdp")
+_NO_MESH_IN_PMAP = Cell(
+  "n/a", why="pmap maps one device per replica: a loss naming mesh axes (nested shard_map, annotations) needs a mesh"
+)
+_VERIFIER = "issue 25: nested shard_map inside the data shard_map: JAX 'Cannot lower jaxpr with verifier errors'"
+_CARRY = "issue 25: scan carry starting as a constant: JAX 'scan body function carry input and carry output must have"
+_ANNOTATED = "issue 25: activations annotated with the data axis: JAX 'PartitionSpec passed to einsum cannot contain"
+CELLS: dict[tuple[str, str], Cell] = {
+  # The docs' tensor-parallel layer: a nested shard_map over "model".
+  ("shard_map_tp", "accumulate pmap"): _NO_MESH_IN_PMAP,
+  ("shard_map_tp", "accumulate shard_map"): Cell(xfail=_VERIFIER + "' (user shard_map; from XLA lowering)"),
+  ("shard_map_tp", "accumulate own jit"): Cell(
+    "refused", name="mesh axis besides the data axis", match="has the axis 'model' besides axis_name='data'"
+  ),
+  **{("shard_map_tp", e): Cell(xfail=_VERIFIER + "' (make_train_step)") for e in MESH_STEPS},
+  # The cookbook's explicit-sharding model: activations annotated with P("data").
+  ("cookbook_explicit", "accumulate pmap"): _NO_MESH_IN_PMAP,
+  ("cookbook_explicit", "accumulate shard_map"): Cell(
+    "n/a", why="a user's shard_map over the data axis makes that axis manual, which the annotations may not name"
+  ),
+  ("cookbook_explicit", "accumulate own jit"): Cell(xfail=_ANNOTATED + " Manual axis' from inside ja.grad"),
+  **{("cookbook_explicit", e): Cell(xfail=_ANNOTATED + " Manual axis' from the engine") for e in MESH_STEPS},
+  # An RNN from h0 = zeros: the constant carry meets varying parameters on a mesh.
+  ("rnn_zeros_carry", "accumulate own jit"): Cell(xfail=_CARRY + " equal types' from inside ja.grad"),
+  **{("rnn_zeros_carry", e): Cell(xfail=_CARRY + " equal types' from the engine") for e in MESH_STEPS},
+  # The tutorial's clip_gradient: the engine scales the loss, so the clip sees a scaled cotangent.
+  **{
+    ("clip_gradient", e): Cell(xfail="issue 25: fsdp per_microbatch scales the loss before a nonlinear custom_vjp")
+    for e in ("step fsdp", "step hsdp")
+  },
+  # A masked loss with a device of padding only (0/0): ja.grad multiplies the NaN by its 0 share.
+  ("masked_padding", "accumulate own jit"): Cell(xfail="issue 25: silent NaN: ja.grad's 0-share device (0/0 loss)"),
+}
 
 
 def cell(model: str, entry: str) -> Cell:
@@ -335,8 +368,8 @@ def run_cell(model_name, entry):
     want_params, want_state = reference(model, params, state, batch, tuple(tuple(int(r) for r in g) for g in groups))
   tol = {"rtol": model.rtol, "atol": model.atol}
   chex.assert_trees_all_close(jax.tree.leaves(got_params), jax.tree.leaves(want_params), **tol)
-  if got_state is not None:
-    chex.assert_trees_all_close(got_state, want_state, **tol)
+  if got_state is not None:  # linen keeps BatchNorm statistics in float32 whatever the parameters
+    chex.assert_trees_all_close(got_state, want_state, rtol=max(model.rtol, 1e-6), atol=max(model.atol, 1e-7))
 
 
 def check_cell(model_name, entry):
