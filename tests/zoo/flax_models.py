@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from flax import linen as nn
 from flax import nnx
+from flax.nnx.nn.attention import dot_product_attention_weights
 
 from zoo import Model
 
@@ -98,10 +99,16 @@ LINEN_CNN_BN = Model(
 
 
 # --- nnx transformer block with dropout ------------------------------------------------------------------------------
+def attention(query, key, value, **_):
+  # nnx's default routes to jax.nn.dot_product_attention (softmax in float32 whatever the inputs): in float64
+  # that is 1e-8 noise, so the block uses nnx's own weights function (softmax in the inputs' dtype).
+  return jnp.einsum("...hqk,...khd->...qhd", dot_product_attention_weights(query, key), value)
+
+
 class Block(nnx.Module):
   def __init__(self, d: int, heads: int, *, rngs: nnx.Rngs):
     self.attn = nnx.MultiHeadAttention(
-      num_heads=heads, in_features=d, qkv_features=d, decode=False, param_dtype=F64, rngs=rngs
+      num_heads=heads, in_features=d, qkv_features=d, decode=False, param_dtype=F64, attention_fn=attention, rngs=rngs
     )
     self.norm1 = nnx.LayerNorm(d, param_dtype=F64, rngs=rngs)
     self.norm2 = nnx.LayerNorm(d, param_dtype=F64, rngs=rngs)
