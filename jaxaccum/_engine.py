@@ -232,22 +232,28 @@ def _other_axes(lay, plan) -> tuple:
 
 
 def _layerwise_grads(lw, cfg: Config, coll, params, rest, w, share):
-  """(value, [gradient shares]) with the parameters gathered where used: sharded leaves come back as blocks."""
+  """(value, [gradient shares]) with the parameters gathered where used: sharded leaves come back as blocks.
+
+  The gradient is scaled by the share w_i / W, never the loss: a backward rule
+  that is not linear in its cotangent (a custom_vjp clipping it) then sees the
+  cotangent of the plain loss, as under every other strategy. Sharded leaves
+  are scaled inside the layerwise backward, before their reduce-scatter.
+  """
   has_aux = cfg.has_aux or cfg.has_state
   keep = jnp.isfinite(w) & (w != 0)  # padding (weight 0, maybe NaN) adds exactly nothing to any block
 
-  def scaled(p):
-    out = lw(p, *rest, keep=keep)
-    loss = out[0] if has_aux else out
+  def loss(p):
+    out = lw(p, *rest, keep=keep, scale=share)
+    value = out[0] if has_aux else out
     if not has_aux and (isinstance(out, (tuple, list, dict)) or jnp.ndim(out) != 0):
       raise _not_scalar(f"it returned {jax.tree.structure(out)}")
-    return share.astype(loss.dtype) * loss, out
+    return value, out
 
-  (_, value), g = jax.value_and_grad(scaled, has_aux=True)(params)
+  (_, value), g = jax.value_and_grad(loss, has_aux=True)(params)
   leaves = []
   for j, x in enumerate(jax.tree.leaves(g)):
     x = x.astype(_tree.accumulator_dtype(x.dtype))
-    leaves.append(x if j in coll.sharded else jnp.where(keep, x, jnp.zeros((), x.dtype)))
+    leaves.append(x if j in coll.sharded else jnp.where(keep, x * share.astype(x.dtype), jnp.zeros((), x.dtype)))
   return value, leaves
 
 

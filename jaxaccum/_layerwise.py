@@ -170,6 +170,7 @@ class _Ctx(NamedTuple):
   size: int
   keep: Any = None  # a boolean scalar per device (or None): False zeroes its gradient contributions
   wire: Any = None  # the dtype gradients are reduce-scattered in (None: the parameter's own)
+  scale: Any = None  # a scalar per device (or None): each parameter gradient's factor, applied before the scatter
 
 
 def _on_block(fn, shard, other: tuple):
@@ -202,6 +203,10 @@ def _gather(ctx, lz, shard, z):
 def _scatter(ctx, ct, lz, shard):
   scatter = lambda v: lax.psum_scatter(v, ctx.axis, scatter_dimension=lz.dim, tiled=True)
   ct = ct.astype(shard.dtype)
+  if ctx.scale is not None:
+    # The gradient is scaled, never the loss: a backward rule that is not linear in its
+    # cotangent (a custom_vjp clipping it) sees the cotangent the plain loss gives.
+    ct = ct * ctx.scale.astype(ct.dtype)
   if ctx.keep is not None:
     # Exactly 0 from a device whose microbatch does not count (an all-padding one: NaN loss).
     ct = jnp.where(ctx.keep, ct, jnp.zeros((), ct.dtype))
@@ -232,19 +237,19 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
     fulls = [_replay(lz.chain, _gather(ctx, lz, s, z)) for lz, s in zip(lazies, shards, strict=True)]
     return assemble(fulls, others)
 
-  # `keep` is an argument (and a residual), not read from `ctx` in `bwd`: a closure over a tracer
-  # from outside a layer scan cannot enter the scan's backward pass.
+  # `keep` and `scale` are arguments (and residuals), not read from `ctx` in `bwd`: a closure over
+  # a tracer from outside a layer scan cannot enter the scan's backward pass.
   @jax.custom_vjp
-  def ga(shards, others, keep):
+  def ga(shards, others, keep, scale):
     return primal(shards, others)
 
-  def fwd(shards, others, keep):
+  def fwd(shards, others, keep, scale):
     # Only the shards (and the other inputs where the VJP needs their values): never the gathered arrays.
-    return primal(shards, others), (shards, None if linear else others, keep)
+    return primal(shards, others), (shards, None if linear else others, keep, scale)
 
   def bwd(res, cts):
-    shards, others, keep = res
-    bctx = ctx._replace(keep=keep)
+    shards, others, keep, scale = res
+    bctx = ctx._replace(keep=keep, scale=scale)
     if others is None:
       others = tuple(_zeros(a) for a in other_avals)
     diff_in = [o for o, d in zip(others, diff, strict=True) if d]
@@ -275,10 +280,10 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
       (ct_diff,) = vjp_o(cts)
     it = iter(ct_diff)
     ct_others = tuple(next(it) if d else None for d in diff)
-    return tuple(ct_shards), ct_others, None
+    return tuple(ct_shards), ct_others, None, None
 
   ga.defvjp(fwd, bwd)
-  return list(ga(tuple(lz.shard for lz in lazies), others_in, ctx.keep))
+  return list(ga(tuple(lz.shard for lz in lazies), others_in, ctx.keep, ctx.scale))
 
 
 def _materialize(ctx, x):
@@ -481,8 +486,8 @@ def layerwise(
     if not jnp.issubdtype(comm_dtype, jnp.floating):
       raise ValueError(f"{comm_dtype=} must be a floating dtype (an integer wire dtype truncates)")
 
-  def f(shards, *args, keep=None):
-    ctx = _Ctx(axis, int(size), None if keep is None else jnp.asarray(keep, bool), comm_dtype)
+  def f(shards, *args, keep=None, scale=None):
+    ctx = _Ctx(axis, int(size), None if keep is None else jnp.asarray(keep, bool), comm_dtype, scale)
     leaves, treedef = jax.tree.flatten(shards)
     flat_dims = _check_dims(dims, leaves)
     full = []

@@ -412,3 +412,65 @@ def test_scanned_layers_under_fsdp_gathered_layer_by_layer():
   new_p, _, metrics = step(p, s, ja.shard_batch(batch, mesh))
   assert bool(metrics["applied"])
   chex.assert_trees_all_close(jax.device_get(new_p), want, rtol=RTOL, atol=1e-15)
+
+
+# --------------------------------------------------------------------------- real model code (issue 25)
+
+
+def _strategy_runs(strategies=STRATEGIES):
+  """(name, make_train_step kwargs, mesh, data axis, devices over the data axes) per strategy."""
+  for strategy in strategies:
+    kwargs, mesh, axis, _, _, _ = setup("plain", strategy)
+    yield strategy, kwargs, mesh, axis, 1 if mesh is None else 8
+
+
+def _per_microbatch_step(loss, params, batch, devices, opt):
+  """The plain step: each of the engine's microbatches differentiated alone with jax.grad, averaged, `opt` once."""
+  take = lambda rows: jax.tree.map(lambda v: v[rows], batch)
+  grads = [jax.grad(loss)(params, take(rows)) for _, _, rows in microbatches(batch, devices)]
+  mean = jax.tree.map(lambda *gs: sum(gs) / len(gs), *grads)
+  updates, _ = opt.update(mean, opt.init(params), params)
+  return optax.apply_updates(params, updates)
+
+
+def _assert_exact_under(strategy, kwargs, mesh, axis, devices, loss, params, batch, opt):
+  step = ja.make_train_step(loss, opt, mesh=mesh, data_axis=axis, **kwargs)
+  if mesh is None:
+    p, s, b = params, opt.init(params), batch
+  else:
+    p, s = ja.shard_train_state(params, opt, mesh, strategy=kwargs["strategy"], data_axis=axis)
+    b = ja.shard_batch(batch, mesh, axis)
+  new_p, _, metrics = step(p, s, b)
+  assert bool(metrics["applied"]), strategy
+  want = _per_microbatch_step(loss, params, batch, devices, opt)
+  chex.assert_trees_all_close(jax.device_get(new_p), want, rtol=1e-10, atol=1e-12)
+
+
+@jax.custom_vjp
+def clip_gradient(lo, hi, x):
+  """The JAX tutorial's custom_vjp: the identity forwards, its cotangent clipped to [lo, hi] backwards."""
+  return x
+
+
+clip_gradient.defvjp(lambda lo, hi, x: (x, (lo, hi)), lambda res, g: (None, None, jnp.clip(g, *res)))
+
+
+def clipped_loss(params, batch):
+  w = clip_gradient(-0.01, 0.01, params[0]["w"])
+  h = jnp.tanh(batch["x"] @ w + params[0]["b"])
+  return jnp.mean(jnp.sum((h @ params[1]["w"] + params[1]["b"] - batch["y"]) ** 2, axis=-1))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_backward_rule_nonlinear_in_its_cotangent_sees_the_plain_cotangent(strategy):
+  """clip_gradient on a weight: each microbatch's gradient is clipped as plain jax.grad clips it, then weighted.
+
+  fsdp's layerwise path once scaled the loss by the microbatch's share (1/16) before the backward pass,
+  so the clip acted on a 16x smaller cotangent (effectively a 16x larger threshold).
+  """
+  _, _, _, batch, _, _ = setup("plain", "none")
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  g = jax.grad(clipped_loss)(params, jax.tree.map(lambda v: v[:2], batch))
+  assert float(jnp.max(jnp.abs(g[0]["w"]))) == 0.01  # the clip binds: the test can tell the two cotangents apart
+  (name, kwargs, mesh, axis, devices), = _strategy_runs((strategy,))
+  _assert_exact_under(name, kwargs, mesh, axis, devices, clipped_loss, params, batch, optax.sgd(1.0))
