@@ -83,6 +83,7 @@ def step(cfg: Config, given, params, state, opt_state, batch, key):
     grads, out = _local(cfg, None, params, state, batch, key)
     return _update(cfg, None, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
   plan, mesh = cfg.plan, cfg.mesh
+  _refuse_shard_mapped_loss(cfg, params, state, batch, key)
   layouts = sharded._layouts(params, mesh, plan, placed=False, given=given)
   flat = jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)
   manual = set(plan.batch_axes)
@@ -96,9 +97,57 @@ def step(cfg: Config, given, params, state, opt_state, batch, key):
     axis_names=manual,
     in_specs=(param_in, PartitionSpec(), PartitionSpec(axes), None if key is None else PartitionSpec()),
     out_specs=(grad_out, PartitionSpec()),
+    check_vma=False,
   )
   grads, out = body(params, state, batch, key)
   return _update(cfg, layouts, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
+
+
+def _refuse_shard_mapped_loss(cfg: Config, params, state, batch, key) -> None:
+  """A ValueError when `loss_fn` runs its own `jax.shard_map` over a data axis (the docs' hand-written DP loss).
+
+  The step already runs the loss per device inside a shard_map manual over the
+  data axes; a loss that splits the batch over them itself and pmeans its loss
+  cannot run there (JAX refuses a nested shard_map over an axis that is already
+  manual, from deep inside). Found by tracing the loss once, abstractly, on one
+  microbatch laid out over the data axes, as the user's own jit would see it; a
+  loss that cannot be traced that way is left to the step to report.
+  """
+  axes = cfg.plan.batch_axes
+  spec = PartitionSpec(axes[0] if len(axes) == 1 else axes)
+  sharding = jax.sharding.NamedSharding(cfg.mesh, spec)
+  abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+  rows = lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // cfg.k, *np.shape(x)[1:]), x.dtype, sharding=sharding)
+  args = (abstract(params), *((abstract(state),) if cfg.has_state else ()), jax.tree.map(rows, batch))
+  args += () if key is None else (abstract(key),)
+  try:
+    with jax.sharding.use_abstract_mesh(cfg.mesh.abstract_mesh):
+      closed = jax.make_jaxpr(cfg.loss_fn)(*args)
+  except Exception:  # noqa: BLE001 -- not traceable outside the step: the step's own trace reports it
+    return
+  found = _shard_map_axes(closed.jaxpr) & set(axes)
+  if found:
+    raise ValueError(
+      f"loss_fn calls jax.shard_map over the data axis {sorted(found)[0]!r} itself (with psum/pmean inside): "
+      "make_train_step splits the batch over the data axes, runs the loss per device and reduces the "
+      "gradient for you. Pass the plain per-batch loss, loss_fn(params, batch) -> the mean loss over "
+      "that batch's rows, without the shard_map or the pmean."
+    )
+
+
+def _shard_map_axes(jaxpr) -> set:
+  """The mesh axes any `shard_map` in `jaxpr` (or in a jaxpr nested in its equations) makes manual."""
+  found: set = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "shard_map":
+      found |= set(eqn.params.get("newly_manual_axes", ()) or eqn.params.get("manual_axes", ()))
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          found |= _shard_map_axes(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          found |= _shard_map_axes(sub)
+  return found
 
 
 # --------------------------------------------------------------------------- local sums (per device)

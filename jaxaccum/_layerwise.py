@@ -65,6 +65,10 @@ from jaxaccum import parallel
 _LINEAR = frozenset({"add", "sub", "add_any", "neg"})
 # Unary elementwise operations: they commute with slicing the layer axis of a stacked parameter.
 _ELEMENTWISE = frozenset({"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"})
+# Equations applied to a whole gathered leaf with JAX's own derivative (`_fallback`): a nested
+# `shard_map` (its transpose must see the full operand it was traced with, not a replay inside our
+# custom_vjp's backward pass) and loops whose carry or consts hold a parameter.
+_FALLBACK = frozenset({"shard_map", "while"})
 _INLINE = {
   "jit": "jaxpr",
   "pjit": "jaxpr",
@@ -286,6 +290,54 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
   return list(ga(tuple(lz.shard for lz in lazies), others_in, ctx.keep, ctx.scale))
 
 
+# Which equations fell back to a whole-leaf gather, counted by primitive name at trace time (a debug
+# record for the tests and the bench: `fallbacks()`; `clear_fallbacks()` before a trace).
+_FALLBACKS: dict[str, int] = {}
+
+
+def fallbacks() -> dict[str, int]:
+  """{primitive name: count} of the equations traced through the whole-leaf fallback since the last clear."""
+  return dict(_FALLBACKS)
+
+
+def clear_fallbacks() -> None:
+  _FALLBACKS.clear()
+
+
+def _fallback(ctx, eqn, invals: list) -> list:
+  """`eqn` applied to whole gathered leaves, differentiated by JAX itself (correct, not layerwise).
+
+  Each lazy input is all-gathered (its unary chain replayed) by a custom_vjp
+  that does nothing else: forwards the gather, backwards the gradient's share
+  (scaled, masked by `keep`) reduce-scattered at once. The equation between
+  them is bound as written, so its own derivative rule (a nested shard_map's
+  transpose, a while loop's) runs unchanged; the gathered leaf may stay alive
+  until the backward pass reaches it.
+  """
+  _FALLBACKS[eqn.primitive.name] = _FALLBACKS.get(eqn.primitive.name, 0) + 1
+  vals = [_gather_whole(ctx, x) if isinstance(x, _Lazy) else x for x in invals]
+  return _bind(eqn, vals)
+
+
+def _gather_whole(ctx, lz: _Lazy):
+  @jax.custom_vjp
+  def gather(shard, keep, scale):
+    return _replay(lz.chain, _gather(ctx, lz, shard, None))
+
+  def fwd(shard, keep, scale):
+    return gather(shard, keep, scale), (shard, keep, scale)
+
+  def bwd(res, ct):
+    shard, keep, scale = res
+    _, vjp = jax.vjp(lambda full: _replay(lz.chain, full), _gather(ctx, lz, shard, None))
+    (ct_full,) = vjp(ct)
+    block = _scatter(ctx._replace(keep=keep, scale=scale), ct_full, lz, shard)
+    return _match_vma(block, _vma(shard)), None, None
+
+  gather.defvjp(fwd, bwd)
+  return gather(lz.shard, ctx.keep, ctx.scale)
+
+
 def _materialize(ctx, x):
   """A lazy value gathered in full (where it leaves the interpreter or enters an opaque region)."""
   if not isinstance(x, _Lazy):
@@ -336,6 +388,8 @@ def _eval(ctx, jaxpr, consts, args) -> list:
       outs = _remat(ctx, eqn, invals)
     elif name == "scan":
       outs = _scan(ctx, eqn, invals)
+    elif name in _FALLBACK:
+      outs = _fallback(ctx, eqn, invals)
     else:
       # dot_general, a bias add, or anything opaque (cond, while, custom_jvp_call): gather-and-apply.
       outs = _gather_apply(ctx, lambda vals, eqn=eqn: _bind(eqn, vals), invals, linear=name in _LINEAR)

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jaxaccum import _engine, _tree, sharded
 from jaxaccum.microbatch import _check_reductions, check_accumulator_dtype, check_binds, check_skip_empty, leading_size
@@ -115,9 +115,19 @@ class TrainStep:
     _check_opt_state(cfg.optimizer, named["params"], named["opt_state"])
     given = None
     if cfg.mesh is not None:
-      given = tuple(sharded.given_spec(x, cfg.mesh) for x in jax.tree.leaves(named["params"]))
-      # Concrete parameters must be laid out as the strategy wants (a silent reshard costs a collective).
-      sharded._layouts(named["params"], cfg.mesh, cfg.plan, placed=True, given=list(given))
+      params = named["params"]
+      given = tuple(sharded.given_spec(x, cfg.mesh) for x in jax.tree.leaves(params))
+      # Parameters placed on the mesh must be laid out as the strategy wants (a silent reshard costs a
+      # collective every step); ones on one device (or host values) are placed here, as jit would.
+      layouts = sharded._layouts(params, cfg.mesh, cfg.plan, placed=True, given=list(given))
+      if "one device" in given:
+        flat = jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)
+        leaves = [
+          sharded._put(x, NamedSharding(cfg.mesh, lay.param_spec)) if g == "one device" else x
+          for x, g, lay in zip(jax.tree.leaves(params), given, flat, strict=True)
+        ]
+        named["params"] = jax.tree.unflatten(jax.tree.structure(params), leaves)
+        given = tuple(sharded.given_spec(x, cfg.mesh) for x in leaves)
     args = tuple(named.get(n) for n in self._arg_names)
     return args, given
 

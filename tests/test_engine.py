@@ -472,5 +472,5 @@ def test_a_backward_rule_nonlinear_in_its_cotangent_sees_the_plain_cotangent(str
   params = mlp_init(jax.random.PRNGKey(0), SIZES)
   g = jax.grad(clipped_loss)(params, jax.tree.map(lambda v: v[:2], batch))
   assert float(jnp.max(jnp.abs(g[0]["w"]))) == 0.01  # the clip binds: the test can tell the two cotangents apart
-  (name, kwargs, mesh, axis, devices), = _strategy_runs((strategy,))
+  ((name, kwargs, mesh, axis, devices),) = _strategy_runs((strategy,))
   _assert_exact_under(name, kwargs, mesh, axis, devices, clipped_loss, params, batch, optax.sgd(1.0))
