@@ -8,10 +8,15 @@ strategies:
 
 1. the local sums: inside a `jax.shard_map` manual over the data axes only
    (other mesh axes, e.g. "model", stay with the partitioner), each device
-   runs `ja.microbatch`'s loop over its rows. Weights are known before the
+   runs `ja.microbatch`'s loop over its rows (untyped, `check_vma=False`: the
+   user's loss runs unchanged, loops whose carry starts as a constant too).
+   A loss that runs its own shard_map over a data axis is refused up front.
+   Weights are known before the
    loop (`weights`), and their global total W is reduced first (a scalar
    all-reduce; none without a `weight_fn`: W = P K), so every microbatch's
-   gradient enters the accumulator already normalised, (w_i / W) g_i. What
+   gradient enters the accumulator already normalised, (w_i / W) g_i (the
+   gradient scaled, never the loss: a backward rule nonlinear in its
+   cotangent sees the plain one). What
    later crosses the wire is a share of the mean gradient, never sum w g: a
    float16 `comm_dtype` cannot overflow on token-count weights;
 2. the reducer: replicated leaves are all-reduced over the data axes together
@@ -97,6 +102,10 @@ def step(cfg: Config, given, params, state, opt_state, batch, key):
     axis_names=manual,
     in_specs=(param_in, PartitionSpec(), PartitionSpec(axes), None if key is None else PartitionSpec()),
     out_specs=(grad_out, PartitionSpec()),
+    # Untyped: the user's loss runs here unchanged. With vma typing, a loop whose carry starts as a
+    # constant (an RNN from zeros, a sum from 0.0) fails JAX's carry check (the constant is invariant,
+    # the carry out varies with the batch) and asks for a pcast in code that has no shard_map. Every
+    # reduction is ours and explicit, and the parameters' gradients are per device by construction.
     check_vma=False,
   )
   grads, out = body(params, state, batch, key)

@@ -38,8 +38,19 @@ inlined, `jax.checkpoint` regions are re-wrapped with their policy, and
 `lax.scan` bodies are interpreted per iteration, so that a stacked `(L, ...)`
 parameter fed as `xs` (scanned layers: MaxText/Levanter, `nnx.scan`,
 `linen.scan`) is gathered one layer per iteration. Any other equation that
-consumes a parameter (a `cond`, a `while`, a `custom_jvp` function) is
+consumes a parameter (a `cond`, a `custom_jvp` or `custom_vjp` function) is
 applied whole through the same gather-and-apply: correct, if not finer.
+An equation whose derivative cannot be replayed inside that custom_vjp's
+backward pass (a nested `shard_map`, whose transpose must see the operands
+it was traced with; a `while`) falls back, for that equation alone, to a
+whole-leaf gather differentiated by JAX itself (`_fallback`): exact, the
+gathered leaf possibly alive until the backward pass; `fallbacks()` reports
+which primitives did.
+
+`scale` (the microbatch's share of the total weight) multiplies each
+parameter's cotangent just before its reduce-scatter: the gradient is
+scaled, never the loss, so that a backward rule not linear in its cotangent
+(a custom_vjp clipping it) sees the cotangent of the loss as written.
 
 Replicated leaves (`dim=None`) are passed through untouched: their gradient is
 whatever `jax.grad` gives inside the shard_map (local when the caller passed
@@ -483,7 +494,7 @@ def layerwise(
   comm_dtype: Any = None,
   others: Sequence[tuple] | None = None,
 ):
-  """Returns `f(shards, *args, keep=None)`: `loss_fn(full_params, *args)`, each parameter gathered where used.
+  """Returns `f(shards, *args, keep=None, scale=None)`: `loss_fn(full_params, *args)`, parameters gathered where used.
 
   Call it inside a `jax.shard_map` that is manual over `axis` (with `size`
   devices). `shards` is the parameter pytree with each leaf's local block
@@ -510,6 +521,12 @@ def layerwise(
   and the reduce-scatter would spread the NaN to every device's block.
   Replicated leaves' gradients are local: the caller masks those.
 
+  `scale` (optional, a scalar per device, e.g. the microbatch's w_i / W):
+  every sharded leaf's gradient is multiplied by it before its
+  reduce-scatter (after every backward rule of `loss_fn` ran on the plain
+  cotangent). Replicated leaves' gradients are unscaled: the caller scales
+  those.
+
   Args:
     loss_fn: `loss_fn(params, *args)` for full-size `params` (any JAX code:
       listed layers, `lax.scan` over stacked layers, flax modules' `apply`).
@@ -527,7 +544,7 @@ def layerwise(
       (see `_on_block`). Default: read from the shards' types (Explicit axes).
 
   Returns:
-    `f(shards, *args, keep=None)`, returning what `loss_fn` returns.
+    `f(shards, *args, keep=None, scale=None)`, returning what `loss_fn` returns.
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn={loss_fn!r} must be callable")

@@ -367,6 +367,13 @@ def shard_train_state(params, optimizer, mesh: Mesh, *, strategy: str = "ddp", d
   axis); ddp replicates both. Shardings the parameters already have over other
   mesh axes (e.g. "model") are kept.
 
+  Parameters may come placed in any way: host values, on one device,
+  replicated, sharded over the data axes by hand or in another strategy's
+  layout, on another mesh; they are re-laid in this strategy's layout (the
+  same rule for every strategy). A step then takes them as they are, or
+  re-lays parameters given on one device; parameters placed on the mesh in
+  another layout it refuses (see `make_train_step`).
+
   Nothing is ever materialised in full on one device: the parameters go
   straight to their shards, and the optimizer state is created by a jitted
   `optimizer.init` whose outputs are laid out sharded (for zero1 it runs on

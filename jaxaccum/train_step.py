@@ -244,6 +244,12 @@ def make_train_step(
       (pass it through `ja.shard_batch`, params and state through
       `ja.replicate`, in particular on several processes), and the gradient is
       all-reduced once per step. Other mesh axes see replicated computation.
+      Placement, the same rule for every strategy: parameters on one device
+      (or host values) are re-laid by the step; parameters placed on the
+      mesh must be laid out as `ja.shard_train_state` lays them for the
+      strategy, else a ValueError naming the leaf (that call places any
+      layout). A `loss_fn` that runs its own `jax.shard_map` over the data
+      axis (pmean inside) is a ValueError: pass the plain per-batch loss.
     data_axis: the mesh axis the batch is split over.
     has_aux: `loss_fn` returns `(loss, aux)`; aux (array pytree) is combined
       per `aux_reductions`, by default averaged like the loss.
@@ -283,7 +289,10 @@ def make_train_step(
       for the backward pass and its gradient reduce-scattered as soon as it
       exists, so a device never holds the whole model; with `grad_norms` or
       `noise_scale`, which measure each device's whole microbatch gradient,
-      the tree is gathered whole per microbatch) or "once" (comm-lean: one
+      the tree is gathered whole per microbatch; an equation it cannot
+      replay layer by layer, a nested `jax.shard_map` or a `while` loop,
+      gathers the leaves it uses whole, for that equation only: see
+      docs/guides/train-step.md) or "once" (comm-lean: one
       parameter all-gather per step instead of K, at the cost of one full
       parameter copy and one full accumulator per device). Given with another
       strategy it is a ValueError (there is nothing to gather).
