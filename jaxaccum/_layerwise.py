@@ -188,7 +188,7 @@ class _Ctx(NamedTuple):
   scale: Any = None  # a scalar per device (or None): each parameter gradient's factor, applied before the scatter
 
 
-def _on_block(fn, shard, other: tuple):
+def _on_block(fn, shard, other: tuple, axis: str):
   """`fn` (a collective over the manual data axis) on each device's block over the other mesh axes.
 
   A leaf that other axes (e.g. "model") shard too runs its data-axis collective
@@ -207,12 +207,15 @@ def _on_block(fn, shard, other: tuple):
   if not names:
     return fn
   spec = PartitionSpec(*entries)
-  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), axis_names=names, in_specs=spec, out_specs=spec)
+  # Typed as the enclosing shard_map types (make_train_step's is untyped): mixed, the types disagree.
+  check = parallel.vma_tracking(axis)
+  mesh = jax.sharding.get_abstract_mesh()
+  return jax.shard_map(fn, mesh=mesh, axis_names=names, in_specs=spec, out_specs=spec, check_vma=check)
 
 
 def _gather(ctx, lz, shard, z):
   gather = lambda v: lax.all_gather(v, ctx.axis, axis=lz.dim, tiled=True, to="varying")
-  return _on_block(gather, shard, lz.other)(_tie(shard, z))
+  return _on_block(gather, shard, lz.other, ctx.axis)(_tie(shard, z))
 
 
 def _scatter(ctx, ct, lz, shard):
@@ -226,8 +229,8 @@ def _scatter(ctx, ct, lz, shard):
     # Exactly 0 from a device whose microbatch does not count (an all-padding one: NaN loss).
     ct = jnp.where(ctx.keep, ct, jnp.zeros((), ct.dtype))
   if ctx.wire is not None:
-    return _on_block(scatter, shard, lz.other)(ct.astype(ctx.wire)).astype(shard.dtype)
-  return _on_block(scatter, shard, lz.other)(ct)
+    return _on_block(scatter, shard, lz.other, ctx.axis)(ct.astype(ctx.wire)).astype(shard.dtype)
+  return _on_block(scatter, shard, lz.other, ctx.axis)(ct)
 
 
 def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> list:

@@ -458,7 +458,10 @@ def _auto_other(fn, leaf, axis):
   if not others:
     return fn
   spec = _spec(entries)
-  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), axis_names=others, in_specs=spec, out_specs=spec)
+  # Typed as the enclosing shard_map types (the step's is untyped): mixed, the types disagree.
+  check = parallel.vma_tracking(axis)
+  mesh = jax.sharding.get_abstract_mesh()
+  return jax.shard_map(fn, mesh=mesh, axis_names=others, in_specs=spec, out_specs=spec, check_vma=check)
 
 
 def _reduce_scatter(xs, leaves, axis, size, wire):
