@@ -48,7 +48,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _tree, parallel, sharded
+from jaxaccum import _per_device, _tree, parallel, sharded
 from jaxaccum import noise as _noise
 from jaxaccum._layerwise import layerwise
 from jaxaccum.microbatch import (
@@ -111,7 +111,19 @@ def step(cfg: Config, given, params, state, opt_state, batch, key):
     # reduction is ours and explicit, and the parameters' gradients are per device by construction.
     check_vma=False,
   )
-  grads, out = body(params, state, batch, key)
+  try:
+    grads, out = body(params, state, batch, key)
+  except Exception as e:
+    explained = _per_device.explain(
+      e,
+      plan.batch_axes[0] if len(plan.batch_axes) == 1 else plan.batch_axes,
+      entry="make_train_step",
+      instead="keep the annotated code in your own jax.jit step with ja.microbatch(jax.value_and_grad(loss), K) "
+      "and an optax optimizer (the partitioner reduces the gradient), or ja.accumulate without axis_name",
+    )
+    if explained is None:
+      raise
+    raise explained from e
   return _update(cfg, layouts, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
 
 
