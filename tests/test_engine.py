@@ -588,6 +588,30 @@ def test_a_loss_that_shard_maps_over_the_data_axis_itself_is_refused_by_name(str
     step.lower(p, s, ja.shard_batch(batch, mesh, axis))
 
 
+def _annotated_loss(params, batch):
+  """The training cookbook's style: activations annotated with the data axis (an Explicit mesh)."""
+  x, y = batch
+  h = jnp.tanh(x @ params[0]["w"] + params[0]["b"])
+  h = jax.sharding.reshard(h, jax.P("data", None))
+  out = h @ params[1]["w"] + params[1]["b"]
+  return jnp.mean(jnp.sum((out - y) ** 2, axis=-1))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_data_axis_annotations_in_the_loss_are_refused_by_name(strategy):
+  """Once JAX's 'PartitionSpec passed to einsum cannot contain axis names ... Manual' from inside the step."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  x, y = regression_data(jax.random.PRNGKey(1), 32, SIZES[0], SIZES[-1])
+  opt = optax.sgd(0.1)
+  p, s = ja.shard_train_state(mlp_init(jax.random.PRNGKey(0), SIZES), opt, mesh, strategy=strategy)
+  step = ja.make_train_step(_annotated_loss, opt, mesh=mesh, strategy=strategy)
+  with (
+    jax.set_mesh(mesh),
+    pytest.raises(ValueError, match=r"make_train_step: the loss annotates a sharding over the data axis 'data'.*drop"),
+  ):
+    step.lower(p, s, ja.shard_batch((x, y), mesh))
+
+
 @jax.custom_jvp
 def _softplus(x):
   return jnp.logaddexp(x, 0.0)
