@@ -321,37 +321,33 @@ MESH_STEPS = ("step ddp", "step zero1", "step fsdp", "step fsdp once", "step hsd
 _NO_MESH_IN_PMAP = Cell(
   "n/a", why="pmap maps one device per replica: a loss naming mesh axes (nested shard_map, annotations) needs a mesh"
 )
-_VERIFIER = "issue 25: nested shard_map inside the data shard_map: JAX 'Cannot lower jaxpr with verifier errors'"
-_CARRY = "issue 25: scan carry starting as a constant: JAX 'scan body function carry input and carry output must have"
-_ANNOTATED = "issue 25: activations annotated with the data axis: JAX 'PartitionSpec passed to einsum cannot contain"
+_ANNOTATED = Cell(
+  "refused",
+  name="data-axis annotation",
+  match=r"the loss annotates a sharding over the data axis .*drop the .* entries from the annotations",
+)
 CELLS: dict[tuple[str, str], Cell] = {
   # The docs' tensor-parallel layer: a nested shard_map over "model".
   ("shard_map_tp", "accumulate pmap"): _NO_MESH_IN_PMAP,
-  ("shard_map_tp", "accumulate shard_map"): Cell(xfail=_VERIFIER + " (in the user's shard_map)"),
+  ("shard_map_tp", "accumulate shard_map"): Cell(
+    "n/a",
+    why="JAX cannot lower the layer's shard_map over 'model' nested in a user's shard_map over 'data' "
+    "('Cannot lower jaxpr with verifier errors', with or without jaxaccum); make_train_step runs it",
+  ),
   ("shard_map_tp", "accumulate own jit"): Cell(
     "refused", name="mesh axis besides the data axis", match="has the axis 'model' besides axis_name='data'"
   ),
-  **{("shard_map_tp", e): Cell(xfail=_VERIFIER + " (make_train_step)") for e in MESH_STEPS},
   # The cookbook's explicit-sharding model: activations annotated with P("data").
   ("cookbook_explicit", "accumulate pmap"): _NO_MESH_IN_PMAP,
   ("cookbook_explicit", "accumulate shard_map"): Cell(
     "n/a", why="a user's shard_map over the data axis makes that axis manual, which the annotations may not name"
   ),
-  ("cookbook_explicit", "accumulate own jit"): Cell(xfail=_ANNOTATED + " Manual axis' from inside ja.grad"),
-  **{("cookbook_explicit", e): Cell(xfail=_ANNOTATED + " Manual axis' from the engine") for e in MESH_STEPS},
+  ("cookbook_explicit", "accumulate own jit"): _ANNOTATED,
+  **{("cookbook_explicit", e): _ANNOTATED for e in MESH_STEPS},
   # An RNN from h0 = zeros: the constant carry meets varying parameters on a mesh.
-  ("rnn_zeros_carry", "accumulate own jit"): Cell(xfail=_CARRY + " equal types' from inside ja.grad"),
-  **{("rnn_zeros_carry", e): Cell(xfail=_CARRY + " equal types' from the engine") for e in MESH_STEPS},
   ("rnn_zeros_carry", "accumulate shard_map"): Cell(
     "n/a", why="in a user's own shard_map JAX requires the model to pcast a constant scan carry (before jaxaccum runs)"
   ),
-  # The tutorial's clip_gradient: the engine scales the loss, so the clip sees a scaled cotangent.
-  **{
-    ("clip_gradient", e): Cell(xfail="issue 25: fsdp per_microbatch scales the loss before a nonlinear custom_vjp")
-    for e in ("step fsdp", "step hsdp")
-  },
-  # A masked loss with a device of padding only (0/0): ja.grad multiplies the NaN by its 0 share.
-  ("masked_padding", "accumulate own jit"): Cell(xfail="issue 25: silent NaN: ja.grad's 0-share device (0/0 loss)"),
 }
 
 
