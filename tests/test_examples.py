@@ -130,3 +130,18 @@ def test_flax_resnet_sharded_equals_the_original_pmap_step():
   assert held == {"zero1": "1.00", "fsdp": "0.13"}, out  # fsdp really shards the parameters
   ghost = re.search(r"one BatchNorm group differs by (\S+) in the parameters", out)
   assert ghost and float(ghost.group(1)) > 1e-3, out
+
+
+def test_diloco_port_equals_a_plain_loop_over_replicas():
+  """examples/diloco_port.py --check: torchft's DiLoCo example as plain ja.diloco under shard_map over 4 replicas
+  equals the original's algorithm written as a loop over replicas (torch's AdamW and Nesterov written out), float64;
+  the streaming runs (fragments by module, delay, alpha, int4 with error feedback) train."""
+  args = ["--check", "--steps", "16", "--sync-every", "8", "--lr", "3e-3", "--fragments-by-module"]
+  out = _run_once("diloco_port", args)
+  diff = re.search(r"max \|param diff\| (\S+), max \|loss diff\| (\S+)", out)
+  assert diff and float(diff.group(1)) < 1e-12 and float(diff.group(2)) < 1e-12, out
+  initial = float(re.search(r"initial full-data loss (\S+)", out).group(1))
+  runs = re.findall(r"^\((a|b|c)\) .*full-data loss: replicas (\S+), anchor (\S+)$", out, re.M)
+  assert [r for r, _, _ in runs] == ["a", "b", "c"], out
+  for run, replicas, anchor in runs:
+    assert float(replicas) < initial and float(anchor) < initial, f"({run}) did not train:\n{out}"
