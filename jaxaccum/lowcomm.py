@@ -400,6 +400,12 @@ def diloco(
     raise ValueError(f"{comm_dtype=} and {compress=} both choose the wire: give one")
   if not isinstance(error_feedback, bool):
     raise TypeError(f"{error_feedback=} must be a bool")
+  if error_feedback and compress is None and comm_dtype is None:
+    # An exact wire drops nothing: the residual would be a params-sized buffer of zeros.
+    raise ValueError(
+      f"{error_feedback=} needs a lossy wire: give compress='int8' | 'int4' | 'bf16' or a comm_dtype (the "
+      "full-precision wire drops nothing for the residual to carry)"
+    )
   inner = optax.with_extra_args_support(inner)
 
   def layout(params, check):

@@ -783,6 +783,8 @@ def test_streaming_bad_input_names_the_argument():
     make(comm_dtype=jnp.bfloat16, compress="int8")
   with pytest.raises(TypeError, match="error_feedback="):
     make(error_feedback=1)
+  with pytest.raises(ValueError, match="error_feedback=True needs a lossy wire"):
+    make(error_feedback=True)  # a full-precision wire: the residual would stay zero
   with pytest.raises(ValueError, match="fragments=0"):
     make(fragments=0)
   params, _ = _stream_setup()  # 4 leaves
