@@ -193,6 +193,7 @@ metrics_of = lambda logits, labels: {"accuracy": jnp.mean(jnp.argmax(logits, -1)
 """,
   },
   "docs/guides/flax.md": {0: _linen()},
+  "docs/guides/lowcomm.md": {3: "batches = [jax.device_get(batch)]"},  # host rows: the wrapper lays them out
   "docs/guides/microbatch.md": {
     0: "loss_fn = lambda params, batch: (world_loss(params, batch), {'rows': batch['mask'].sum()})",
     1: "import flax.linen as nn\nbatch = dict(batch, y=jnp.arange(64) % 10)\nmodel = nn.Dense(10)\n"
