@@ -133,6 +133,21 @@ def _resolve(argnums: tuple[int, ...], nargs: int, name: str, value) -> tuple[in
   return tuple(out)
 
 
+def _locate(args, kwargs, argnums, names, batch_argnums, key_argnum) -> tuple[tuple[int, ...], int | None]:
+  """The call's batch positions and key position (None without `key_argnum`), checked against its arguments."""
+  nargs = len(args)
+  idx = _resolve(argnums, nargs, "batch_argnums", batch_argnums)
+  for name in names:
+    if name not in kwargs:
+      raise TypeError(f"argnames names {name!r}, but the call has no keyword argument {name!r}")
+  kidx = None
+  if key_argnum is not None:
+    (kidx,) = _resolve((key_argnum,), nargs, "key_argnum", key_argnum)
+    if kidx in idx:
+      raise ValueError(f"{key_argnum=} is also one of {batch_argnums=}")
+  return idx, kidx
+
+
 def check_binds(fun, name: str, args, kwargs, hint: str) -> None:
   """Raises a TypeError, with `hint`, when `fun`'s signature cannot take `args`/`kwargs`.
 
@@ -320,16 +335,7 @@ def microbatch(
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    nargs = len(args)
-    idx = _resolve(argnums, nargs, "batch_argnums", batch_argnums)
-    for name in names:
-      if name not in kwargs:
-        raise TypeError(f"argnames names {name!r}, but the call has no keyword argument {name!r}")
-    kidx = None
-    if key_argnum is not None:
-      (kidx,) = _resolve((key_argnum,), nargs, "key_argnum", key_argnum)
-      if kidx in idx:
-        raise ValueError(f"{key_argnum=} is also one of {batch_argnums=}")
+    idx, kidx = _locate(args, kwargs, argnums, names, batch_argnums, key_argnum)
     check_binds(
       fun,
       "fun",
