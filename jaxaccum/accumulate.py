@@ -101,7 +101,7 @@ def _check_weight(weight):
   """Validates `weight` as far as it has a value now; returns it as an array or None.
 
   A concrete weight that is NaN, Inf or negative raises; a traced one cannot,
-  and `step` drops its microbatch instead. Zero is a valid weight (a
+  and `_window.step` drops its microbatch instead. Zero is a valid weight (a
   microbatch of padding only): it adds nothing.
   """
   if weight is None:
