@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from jaxaccum import schedules
 from jaxaccum.accumulate import AccumulateState, accumulate, has_updated
 from jaxaccum.distributed import fail_fast
+from jaxaccum.hlo import collective_bytes, count_collectives
 from jaxaccum.lowcomm import diloco, local_sgd, stale
 from jaxaccum.microbatch import microbatch, pad_microbatches
 from jaxaccum.noise import (
@@ -30,6 +31,7 @@ from jaxaccum.parallel import data_mesh, pmean, psum, replicate, shard_batch
 from jaxaccum.per_example import MicroGradAux, micro_grad, micro_vmap
 from jaxaccum.planner import plan_microbatches
 from jaxaccum.sharded import shard_train_state
+from jaxaccum.slowlink import DiLoCoTrainStep, diloco_train_step
 from jaxaccum.train_step import make_train_step
 
 __all__ = [
@@ -51,6 +53,8 @@ __all__ = [
   "local_sgd",
   "diloco",
   "stale",
+  "diloco_train_step",
+  "DiLoCoTrainStep",
   "noise_scale",
   "NoiseScale",
   "NoiseScaleState",
@@ -64,6 +68,8 @@ __all__ = [
   "flax",
   "checkpoint",
   "fail_fast",
+  "count_collectives",
+  "collective_bytes",
   "micro_grad",
   "micro_vmap",
   "MicroGradAux",

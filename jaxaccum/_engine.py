@@ -8,10 +8,15 @@ strategies:
 
 1. the local sums: inside a `jax.shard_map` manual over the data axes only
    (other mesh axes, e.g. "model", stay with the partitioner), each device
-   runs `ja.microbatch`'s loop over its rows. Weights are known before the
+   runs `ja.microbatch`'s loop over its rows (untyped, `check_vma=False`: the
+   user's loss runs unchanged, loops whose carry starts as a constant too).
+   A loss that runs its own shard_map over a data axis is refused up front.
+   Weights are known before the
    loop (`weights`), and their global total W is reduced first (a scalar
    all-reduce; none without a `weight_fn`: W = P K), so every microbatch's
-   gradient enters the accumulator already normalised, (w_i / W) g_i. What
+   gradient enters the accumulator already normalised, (w_i / W) g_i (the
+   gradient scaled, never the loss: a backward rule nonlinear in its
+   cotangent sees the plain one). What
    later crosses the wire is a share of the mean gradient, never sum w g: a
    float16 `comm_dtype` cannot overflow on token-count weights;
 2. the reducer: replicated leaves are all-reduced over the data axes together
@@ -43,7 +48,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _tree, parallel, sharded
+from jaxaccum import _per_device, _tree, parallel, sharded
 from jaxaccum import noise as _noise
 from jaxaccum._layerwise import layerwise
 from jaxaccum._split import split, weights
@@ -78,6 +83,7 @@ def step(cfg: Config, given, params, state, opt_state, batch, key):
     grads, out = _local(cfg, None, params, state, batch, key)
     return _update(cfg, None, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
   plan, mesh = cfg.plan, cfg.mesh
+  _refuse_shard_mapped_loss(cfg, params, state, batch, key)
   layouts = sharded._layouts(params, mesh, plan, placed=False, given=given)
   flat = jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)
   manual = set(plan.batch_axes)
@@ -91,9 +97,73 @@ def step(cfg: Config, given, params, state, opt_state, batch, key):
     axis_names=manual,
     in_specs=(param_in, PartitionSpec(), PartitionSpec(axes), None if key is None else PartitionSpec()),
     out_specs=(grad_out, PartitionSpec()),
+    # Untyped: the user's loss runs here unchanged. With vma typing, a loop whose carry starts as a
+    # constant (an RNN from zeros, a sum from 0.0) fails JAX's carry check (the constant is invariant,
+    # the carry out varies with the batch) and asks for a pcast in code that has no shard_map. Every
+    # reduction is ours and explicit, and the parameters' gradients are per device by construction.
+    check_vma=False,
   )
-  grads, out = body(params, state, batch, key)
+  try:
+    grads, out = body(params, state, batch, key)
+  except Exception as e:
+    explained = _per_device.explain(
+      e,
+      plan.batch_axes[0] if len(plan.batch_axes) == 1 else plan.batch_axes,
+      entry="make_train_step",
+      instead="keep the annotated code in your own jax.jit step with ja.microbatch(jax.value_and_grad(loss), K) "
+      "and an optax optimizer (the partitioner reduces the gradient), or ja.accumulate without axis_name",
+    )
+    if explained is None:
+      raise
+    raise explained from e
   return _update(cfg, layouts, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
+
+
+def _refuse_shard_mapped_loss(cfg: Config, params, state, batch, key) -> None:
+  """A ValueError when `loss_fn` runs its own `jax.shard_map` over a data axis (the docs' hand-written DP loss).
+
+  The step already runs the loss per device inside a shard_map manual over the
+  data axes; a loss that splits the batch over them itself and pmeans its loss
+  cannot run there (JAX refuses a nested shard_map over an axis that is already
+  manual, from deep inside). Found by tracing the loss once, abstractly, on one
+  microbatch laid out over the data axes, as the user's own jit would see it; a
+  loss that cannot be traced that way is left to the step to report.
+  """
+  axes = cfg.plan.batch_axes
+  spec = PartitionSpec(axes[0] if len(axes) == 1 else axes)
+  sharding = jax.sharding.NamedSharding(cfg.mesh, spec)
+  abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+  rows = lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // cfg.k, *np.shape(x)[1:]), x.dtype, sharding=sharding)
+  args = (abstract(params), *((abstract(state),) if cfg.has_state else ()), jax.tree.map(rows, batch))
+  args += () if key is None else (abstract(key),)
+  try:
+    with jax.sharding.use_abstract_mesh(cfg.mesh.abstract_mesh):
+      closed = jax.make_jaxpr(cfg.loss_fn)(*args)
+  except Exception:  # noqa: BLE001 -- not traceable outside the step: the step's own trace reports it
+    return
+  found = _shard_map_axes(closed.jaxpr) & set(axes)
+  if found:
+    raise ValueError(
+      f"loss_fn calls jax.shard_map over the data axis {sorted(found)[0]!r} itself (with psum/pmean inside): "
+      "make_train_step splits the batch over the data axes, runs the loss per device and reduces the "
+      "gradient for you. Pass the plain per-batch loss, loss_fn(params, batch) -> the mean loss over "
+      "that batch's rows, without the shard_map or the pmean."
+    )
+
+
+def _shard_map_axes(jaxpr) -> set:
+  """The mesh axes any `shard_map` in `jaxpr` (or in a jaxpr nested in its equations) makes manual."""
+  found: set = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "shard_map":
+      found |= set(eqn.params.get("newly_manual_axes", ()) or eqn.params.get("manual_axes", ()))
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          found |= _shard_map_axes(sub.jaxpr)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          found |= _shard_map_axes(sub)
+  return found
 
 
 # --------------------------------------------------------------------------- local sums (per device)
@@ -227,22 +297,28 @@ def _other_axes(lay, plan) -> tuple:
 
 
 def _layerwise_grads(lw, cfg: Config, coll, params, rest, w, share):
-  """(value, [gradient shares]) with the parameters gathered where used: sharded leaves come back as blocks."""
+  """(value, [gradient shares]) with the parameters gathered where used: sharded leaves come back as blocks.
+
+  The gradient is scaled by the share w_i / W, never the loss: a backward rule
+  that is not linear in its cotangent (a custom_vjp clipping it) then sees the
+  cotangent of the plain loss, as under every other strategy. Sharded leaves
+  are scaled inside the layerwise backward, before their reduce-scatter.
+  """
   has_aux = cfg.has_aux or cfg.has_state
   keep = jnp.isfinite(w) & (w != 0)  # padding (weight 0, maybe NaN) adds exactly nothing to any block
 
-  def scaled(p):
-    out = lw(p, *rest, keep=keep)
-    loss = out[0] if has_aux else out
+  def loss(p):
+    out = lw(p, *rest, keep=keep, scale=share)
+    value = out[0] if has_aux else out
     if not has_aux and (isinstance(out, (tuple, list, dict)) or jnp.ndim(out) != 0):
       raise _not_scalar(f"it returned {jax.tree.structure(out)}")
-    return share.astype(loss.dtype) * loss, out
+    return value, out
 
-  (_, value), g = jax.value_and_grad(scaled, has_aux=True)(params)
+  (_, value), g = jax.value_and_grad(loss, has_aux=True)(params)
   leaves = []
   for j, x in enumerate(jax.tree.leaves(g)):
     x = x.astype(_tree.accumulator_dtype(x.dtype))
-    leaves.append(x if j in coll.sharded else jnp.where(keep, x, jnp.zeros((), x.dtype)))
+    leaves.append(x if j in coll.sharded else jnp.where(keep, x * share.astype(x.dtype), jnp.zeros((), x.dtype)))
   return value, leaves
 
 

@@ -248,3 +248,59 @@ def mesh_groups(shape: tuple[int, ...], names: tuple[str, ...], axes) -> frozens
   rest = [i for i in range(len(shape)) if i not in moved]
   ids = ids.transpose(rest + moved).reshape(-1, int(np.prod([shape[i] for i in moved])))
   return frozenset(frozenset(int(i) for i in row) for row in ids)
+
+
+# --------------------------------------------------------------------------- executions per call, with trip counts
+
+# XLA records a while loop's trip count, when it knows it, in the instruction's backend config.
+_TRIP = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
+_BRANCH_KINDS = ("true_computation", "false_computation", "branch_computations")
+
+
+def per_call(hlo_text: str, num_devices: int | None = None, branches: str = "all") -> dict[str, dict[str, float]]:
+  """{opcode: {"count", "bytes"}}: collective executions per call and ring bytes sent per device.
+
+  Every instruction reachable from the entry counts once per time its computation
+  runs: a while body runs its known trip count times per run of the loop (nested
+  loops multiply; a loop whose trip count XLA does not record counts once), a
+  conditional branch once if `branches == "all"` (as if taken) and not at all if
+  `branches == "none"`. Ring bytes as in `Collective.ring_bytes`.
+  """
+  computations, entry = _instructions(hlo_text)
+  found: list = []  # (opcode, groups, result bytes, executions)
+
+  def visit(name, times, depth):
+    if name not in computations or depth > 64:
+      return
+    for opcode, result, line, called in computations[name]:
+      base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
+      if base in COLLECTIVES and not opcode.endswith("-done"):
+        arrays = _ARRAY.findall(result)
+        # A synchronous collective's result may be a tuple (leaves packed into one instruction): all of it.
+        # An async start returns (operands..., results...): the result is the last array.
+        nbytes = _array_bytes(result) if base == opcode else _array_bytes("{}[{}]".format(*arrays[-1])) if arrays else 0
+        found.append((base, _groups(line), nbytes, times))
+      trip = _TRIP.search(line) if opcode == "while" else None
+      for kind, target in called:
+        if kind == "condition" or (kind in _BRANCH_KINDS and branches == "none"):
+          continue
+        visit(target, times * (int(trip.group(1)) if trip and kind == "body" else 1), depth + 1)
+
+  if entry is not None:
+    visit(entry, 1, 0)
+  biggest = max((max(max(g) for g in groups) + 1 for _, groups, _, _ in found if groups), default=1)
+  out: dict[str, dict[str, float]] = {}
+  for opcode, groups, nbytes, times in found:
+    n = len(next(iter(groups))) if groups else (num_devices or biggest)
+    if opcode == "all-gather":
+      ring: float = nbytes // n * (n - 1)
+    elif opcode == "reduce-scatter":
+      ring = nbytes * (n - 1)
+    elif opcode == "all-reduce":
+      ring = 2 * (n - 1) * nbytes / n
+    else:
+      ring = nbytes
+    slot = out.setdefault(opcode, {"count": 0, "bytes": 0.0})
+    slot["count"] += times
+    slot["bytes"] += times * ring
+  return out

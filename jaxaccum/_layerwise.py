@@ -38,8 +38,19 @@ inlined, `jax.checkpoint` regions are re-wrapped with their policy, and
 `lax.scan` bodies are interpreted per iteration, so that a stacked `(L, ...)`
 parameter fed as `xs` (scanned layers: MaxText/Levanter, `nnx.scan`,
 `linen.scan`) is gathered one layer per iteration. Any other equation that
-consumes a parameter (a `cond`, a `while`, a `custom_jvp` function) is
+consumes a parameter (a `cond`, a `custom_jvp` or `custom_vjp` function) is
 applied whole through the same gather-and-apply: correct, if not finer.
+An equation whose derivative cannot be replayed inside that custom_vjp's
+backward pass (a nested `shard_map`, whose transpose must see the operands
+it was traced with; a `while`) falls back, for that equation alone, to a
+whole-leaf gather differentiated by JAX itself (`_fallback`): exact, the
+gathered leaf possibly alive until the backward pass; `fallbacks()` reports
+which primitives did.
+
+`scale` (the microbatch's share of the total weight) multiplies each
+parameter's cotangent just before its reduce-scatter: the gradient is
+scaled, never the loss, so that a backward rule not linear in its cotangent
+(a custom_vjp clipping it) sees the cotangent of the loss as written.
 
 Replicated leaves (`dim=None`) are passed through untouched: their gradient is
 whatever `jax.grad` gives inside the shard_map (local when the caller passed
@@ -65,6 +76,10 @@ from jaxaccum import parallel
 _LINEAR = frozenset({"add", "sub", "add_any", "neg"})
 # Unary elementwise operations: they commute with slicing the layer axis of a stacked parameter.
 _ELEMENTWISE = frozenset({"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"})
+# Equations applied to a whole gathered leaf with JAX's own derivative (`_fallback`): a nested
+# `shard_map` (its transpose must see the full operand it was traced with, not a replay inside our
+# custom_vjp's backward pass) and loops whose carry or consts hold a parameter.
+_FALLBACK = frozenset({"shard_map", "while"})
 _INLINE = {
   "jit": "jaxpr",
   "pjit": "jaxpr",
@@ -170,9 +185,10 @@ class _Ctx(NamedTuple):
   size: int
   keep: Any = None  # a boolean scalar per device (or None): False zeroes its gradient contributions
   wire: Any = None  # the dtype gradients are reduce-scattered in (None: the parameter's own)
+  scale: Any = None  # a scalar per device (or None): each parameter gradient's factor, applied before the scatter
 
 
-def _on_block(fn, shard, other: tuple):
+def _on_block(fn, shard, other: tuple, axis: str):
   """`fn` (a collective over the manual data axis) on each device's block over the other mesh axes.
 
   A leaf that other axes (e.g. "model") shard too runs its data-axis collective
@@ -191,23 +207,30 @@ def _on_block(fn, shard, other: tuple):
   if not names:
     return fn
   spec = PartitionSpec(*entries)
-  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), axis_names=names, in_specs=spec, out_specs=spec)
+  # Typed as the enclosing shard_map types (make_train_step's is untyped): mixed, the types disagree.
+  check = parallel.vma_tracking(axis)
+  mesh = jax.sharding.get_abstract_mesh()
+  return jax.shard_map(fn, mesh=mesh, axis_names=names, in_specs=spec, out_specs=spec, check_vma=check)
 
 
 def _gather(ctx, lz, shard, z):
   gather = lambda v: lax.all_gather(v, ctx.axis, axis=lz.dim, tiled=True, to="varying")
-  return _on_block(gather, shard, lz.other)(_tie(shard, z))
+  return _on_block(gather, shard, lz.other, ctx.axis)(_tie(shard, z))
 
 
 def _scatter(ctx, ct, lz, shard):
   scatter = lambda v: lax.psum_scatter(v, ctx.axis, scatter_dimension=lz.dim, tiled=True)
   ct = ct.astype(shard.dtype)
+  if ctx.scale is not None:
+    # The gradient is scaled, never the loss: a backward rule that is not linear in its
+    # cotangent (a custom_vjp clipping it) sees the cotangent the plain loss gives.
+    ct = ct * ctx.scale.astype(ct.dtype)
   if ctx.keep is not None:
     # Exactly 0 from a device whose microbatch does not count (an all-padding one: NaN loss).
     ct = jnp.where(ctx.keep, ct, jnp.zeros((), ct.dtype))
   if ctx.wire is not None:
-    return _on_block(scatter, shard, lz.other)(ct.astype(ctx.wire)).astype(shard.dtype)
-  return _on_block(scatter, shard, lz.other)(ct)
+    return _on_block(scatter, shard, lz.other, ctx.axis)(ct.astype(ctx.wire)).astype(shard.dtype)
+  return _on_block(scatter, shard, lz.other, ctx.axis)(ct)
 
 
 def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> list:
@@ -232,19 +255,19 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
     fulls = [_replay(lz.chain, _gather(ctx, lz, s, z)) for lz, s in zip(lazies, shards, strict=True)]
     return assemble(fulls, others)
 
-  # `keep` is an argument (and a residual), not read from `ctx` in `bwd`: a closure over a tracer
-  # from outside a layer scan cannot enter the scan's backward pass.
+  # `keep` and `scale` are arguments (and residuals), not read from `ctx` in `bwd`: a closure over
+  # a tracer from outside a layer scan cannot enter the scan's backward pass.
   @jax.custom_vjp
-  def ga(shards, others, keep):
+  def ga(shards, others, keep, scale):
     return primal(shards, others)
 
-  def fwd(shards, others, keep):
+  def fwd(shards, others, keep, scale):
     # Only the shards (and the other inputs where the VJP needs their values): never the gathered arrays.
-    return primal(shards, others), (shards, None if linear else others, keep)
+    return primal(shards, others), (shards, None if linear else others, keep, scale)
 
   def bwd(res, cts):
-    shards, others, keep = res
-    bctx = ctx._replace(keep=keep)
+    shards, others, keep, scale = res
+    bctx = ctx._replace(keep=keep, scale=scale)
     if others is None:
       others = tuple(_zeros(a) for a in other_avals)
     diff_in = [o for o, d in zip(others, diff, strict=True) if d]
@@ -275,10 +298,58 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
       (ct_diff,) = vjp_o(cts)
     it = iter(ct_diff)
     ct_others = tuple(next(it) if d else None for d in diff)
-    return tuple(ct_shards), ct_others, None
+    return tuple(ct_shards), ct_others, None, None
 
   ga.defvjp(fwd, bwd)
-  return list(ga(tuple(lz.shard for lz in lazies), others_in, ctx.keep))
+  return list(ga(tuple(lz.shard for lz in lazies), others_in, ctx.keep, ctx.scale))
+
+
+# Which equations fell back to a whole-leaf gather, counted by primitive name at trace time (a debug
+# record for the tests and the bench: `fallbacks()`; `clear_fallbacks()` before a trace).
+_FALLBACKS: dict[str, int] = {}
+
+
+def fallbacks() -> dict[str, int]:
+  """{primitive name: count} of the equations traced through the whole-leaf fallback since the last clear."""
+  return dict(_FALLBACKS)
+
+
+def clear_fallbacks() -> None:
+  _FALLBACKS.clear()
+
+
+def _fallback(ctx, eqn, invals: list) -> list:
+  """`eqn` applied to whole gathered leaves, differentiated by JAX itself (correct, not layerwise).
+
+  Each lazy input is all-gathered (its unary chain replayed) by a custom_vjp
+  that does nothing else: forwards the gather, backwards the gradient's share
+  (scaled, masked by `keep`) reduce-scattered at once. The equation between
+  them is bound as written, so its own derivative rule (a nested shard_map's
+  transpose, a while loop's) runs unchanged; the gathered leaf may stay alive
+  until the backward pass reaches it.
+  """
+  _FALLBACKS[eqn.primitive.name] = _FALLBACKS.get(eqn.primitive.name, 0) + 1
+  vals = [_gather_whole(ctx, x) if isinstance(x, _Lazy) else x for x in invals]
+  return _bind(eqn, vals)
+
+
+def _gather_whole(ctx, lz: _Lazy):
+  @jax.custom_vjp
+  def gather(shard, keep, scale):
+    return _replay(lz.chain, _gather(ctx, lz, shard, None))
+
+  def fwd(shard, keep, scale):
+    return gather(shard, keep, scale), (shard, keep, scale)
+
+  def bwd(res, ct):
+    shard, keep, scale = res
+    _, vjp = jax.vjp(lambda full: _replay(lz.chain, full), _gather(ctx, lz, shard, None))
+    (ct_full,) = vjp(ct)
+    block = _scatter(ctx._replace(keep=keep, scale=scale), ct_full, lz, shard)
+    return _match_vma(block, _vma(shard)), None, None
+
+  gather.defvjp(fwd, bwd)
+  return gather(lz.shard, ctx.keep, ctx.scale)
 
 
 def _materialize(ctx, x):
@@ -331,6 +402,8 @@ def _eval(ctx, jaxpr, consts, args) -> list:
       outs = _remat(ctx, eqn, invals)
     elif name == "scan":
       outs = _scan(ctx, eqn, invals)
+    elif name in _FALLBACK:
+      outs = _fallback(ctx, eqn, invals)
     else:
       # dot_general, a bias add, or anything opaque (cond, while, custom_jvp_call): gather-and-apply.
       outs = _gather_apply(ctx, lambda vals, eqn=eqn: _bind(eqn, vals), invals, linear=name in _LINEAR)
@@ -424,7 +497,7 @@ def layerwise(
   comm_dtype: Any = None,
   others: Sequence[tuple] | None = None,
 ):
-  """Returns `f(shards, *args, keep=None)`: `loss_fn(full_params, *args)`, each parameter gathered where used.
+  """Returns `f(shards, *args, keep=None, scale=None)`: `loss_fn(full_params, *args)`, parameters gathered where used.
 
   Call it inside a `jax.shard_map` that is manual over `axis` (with `size`
   devices). `shards` is the parameter pytree with each leaf's local block
@@ -451,6 +524,12 @@ def layerwise(
   and the reduce-scatter would spread the NaN to every device's block.
   Replicated leaves' gradients are local: the caller masks those.
 
+  `scale` (optional, a scalar per device, e.g. the microbatch's w_i / W):
+  every sharded leaf's gradient is multiplied by it before its
+  reduce-scatter (after every backward rule of `loss_fn` ran on the plain
+  cotangent). Replicated leaves' gradients are unscaled: the caller scales
+  those.
+
   Args:
     loss_fn: `loss_fn(params, *args)` for full-size `params` (any JAX code:
       listed layers, `lax.scan` over stacked layers, flax modules' `apply`).
@@ -468,7 +547,7 @@ def layerwise(
       (see `_on_block`). Default: read from the shards' types (Explicit axes).
 
   Returns:
-    `f(shards, *args, keep=None)`, returning what `loss_fn` returns.
+    `f(shards, *args, keep=None, scale=None)`, returning what `loss_fn` returns.
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn={loss_fn!r} must be callable")
@@ -481,8 +560,8 @@ def layerwise(
     if not jnp.issubdtype(comm_dtype, jnp.floating):
       raise ValueError(f"{comm_dtype=} must be a floating dtype (an integer wire dtype truncates)")
 
-  def f(shards, *args, keep=None):
-    ctx = _Ctx(axis, int(size), None if keep is None else jnp.asarray(keep, bool), comm_dtype)
+  def f(shards, *args, keep=None, scale=None):
+    ctx = _Ctx(axis, int(size), None if keep is None else jnp.asarray(keep, bool), comm_dtype, scale)
     leaves, treedef = jax.tree.flatten(shards)
     flat_dims = _check_dims(dims, leaves)
     full = []

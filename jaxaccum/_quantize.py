@@ -33,9 +33,11 @@ summed in int8: 1 + 4/64 bytes (0.27x); with float64 scales 8/64 instead of
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
 BLOCK = 64
 QMAX = {"int8": 127, "int4": 7}
@@ -70,8 +72,23 @@ def quantize(x, scale, qmax: int):
   return jnp.where(nonzero, q, 0).astype(jnp.int8)
 
 
+def _explicit_spec(x):
+  """`x`'s PartitionSpec when it is sharded over Explicit mesh axes (known in its type), else None."""
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  return spec if spec is not None and any(e is not None for e in spec) else None
+
+
 def wire_mean(xs: list, axis_name, replicas: int, compress, comm_dtype):
   """(Delta, sent): the mean over `axis_name` of C(x) for each leaf of `xs`, and this replica's C(x)."""
+  specs = [_explicit_spec(x) for x in xs] if compress in QMAX else []
+  if any(s is not None for s in specs):
+    # Blocks of 64 run across the raveled leaf, so across its shards over Explicit axes (e.g. fsdp's
+    # "data" within a replica): gather the leaf over those (fast) axes, code it whole, lay the results
+    # back out as the leaf was. The replica-axis collectives are unchanged.
+    whole = [x if s is None else jax.sharding.reshard(x, PartitionSpec()) for x, s in zip(xs, specs, strict=True)]
+    delta, sent = wire_mean(whole, axis_name, replicas, compress, comm_dtype)
+    back = lambda ys: [y if s is None else jax.sharding.reshard(y, s) for y, s in zip(ys, specs, strict=True)]
+    return back(delta), back(sent)
   if compress in QMAX:
     qmax = QMAX[compress]
     absmax = [block_absmax(x) for x in xs]

@@ -31,7 +31,7 @@ psum over the replicated parameters), and loops whose carry starts as a constant
 (an RNN from zeros) type-check as they do outside; the local gradient leaves as
 unreduced (`out_specs=P(unreduced={axis})`). Model code that names the data axis
 in a sharding annotation, and a loss that closes over a batch sharded over it,
-cannot run per device and are refused by name (`_explain`). JAX 0.10 limits (see
+cannot run per device and are refused by name (`_per_device.explain`). JAX 0.10 limits (see
 `_unreduced`): the mesh's other axes must have size 1, and Auto meshes have no
 unreduced type; both give a ValueError that says what to use instead.
 """
@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _unreduced
+from jaxaccum import _per_device, _unreduced
 
 
 def _argnums_tuple(argnums) -> tuple[int, ...]:
@@ -127,32 +127,6 @@ def _local_rows(arrays, specs, axis_name) -> int | None:
 def _axis_size(x, axis_name) -> int:
   mesh = _unreduced.mesh_of(x)
   return dict(mesh.shape)[axis_name]
-
-
-# What JAX says, inside ja.grad's shard_map, about model code written for the global batch; and what it means.
-_MANUAL_ANNOTATION = ("cannot contain axis names that are of type Auto or Manual", "of type: AxisType.Manual")
-_CLOSURE = "Closing over inputs to shard_map where the input is sharded on `Explicit` axes"
-
-
-def _explain(e: Exception, axis_name) -> Exception | None:
-  text = str(e)
-  if any(s in text for s in _MANUAL_ANNOTATION):
-    return ValueError(
-      f"ja.grad: fun annotates a sharding over the data axis {axis_name!r} (jax.sharding.reshard(x, P({axis_name!r}, "
-      f"...)) or out_sharding=P({axis_name!r}, ...), as the JAX training cookbook writes activations). ja.grad runs "
-      f"fun on each device's own rows (a jax.shard_map manual over {axis_name!r}), where that axis cannot be "
-      f"named: drop the {axis_name!r} entries from the annotations inside fun (the rows are already split), or "
-      "keep the annotated code and take jax.grad with ja.accumulate(...) without axis_name (one all-reduce per "
-      "call), or ja.make_train_step"
-    )
-  if _CLOSURE in text:
-    return ValueError(
-      f"ja.grad: fun reads an array sharded over {axis_name!r} from the enclosing scope (a closure, e.g. "
-      "def loss(params): ... batch ...). ja.grad can give each device its rows only of fun's arguments: take the "
-      f"batch as an argument, def loss(params, batch), and call ja.grad(loss, axis_name={axis_name!r})(params, "
-      "batch)"
-    )
-  return None
 
 
 def value_and_grad(
@@ -345,7 +319,13 @@ def _trace(call, axis_name):
   try:
     return call()
   except Exception as e:
-    explained = _explain(e, axis_name)
+    explained = _per_device.explain(
+      e,
+      axis_name,
+      entry="ja.grad",
+      instead="keep the annotated code and take jax.grad in your jit with ja.accumulate(...) without axis_name "
+      "(one all-reduce per call), or ja.microbatch(jax.value_and_grad(loss), K) inside your jit",
+    )
     if explained is None:
       e.add_note(
         f"(raised inside ja.grad, which runs fun on each device's rows in a jax.shard_map manual over "

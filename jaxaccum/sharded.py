@@ -170,13 +170,14 @@ def _same_mesh(a, b: Mesh) -> bool:
 
 
 def given_spec(x, mesh: Mesh):
-  """The entries (one per dimension) of the sharding `x` was given on `mesh`, or None when it is not known.
+  """The entries (one per dimension) of the sharding `x` was given on `mesh`, or what else is known of it.
 
   A concrete array tells its sharding; a traced one (inside an outer `jax.jit`)
   tells it in its type over Explicit axes only. On an Auto mesh a tracer's
   layout is the partitioner's business: None, and the step leaves the
-  dimensions no data axis takes unconstrained. An array on one device is
-  unsharded (known: nothing over the mesh yet).
+  dimensions no data axis takes unconstrained. Otherwise: "one device" (a host
+  value or an array on one device: not placed on the mesh yet), "other mesh"
+  or "not named" (sharded over several devices, not by a NamedSharding).
   """
   if isinstance(x, jax.core.Tracer):
     aval = jax.typeof(x)
@@ -186,41 +187,48 @@ def given_spec(x, mesh: Mesh):
       return None
     return tuple(_entries(spec, aval.ndim))
   sharding = _sharding_of(x)
-  if isinstance(sharding, NamedSharding):
-    if not _same_mesh(sharding.mesh, mesh):
-      return "other mesh"
+  if isinstance(sharding, NamedSharding) and _same_mesh(sharding.mesh, mesh):
     return tuple(_entries(sharding.spec, len(np.shape(x))))
   if sharding is None or len(sharding.device_set) == 1:
-    return (None,) * len(np.shape(x))
-  return "not named"
+    return "one device"
+  return "other mesh" if isinstance(sharding, NamedSharding) else "not named"
+
+
+_PLACE = (
+  "Place parameters and optimizer state with ja.shard_train_state(params, optimizer, mesh, strategy=...), "
+  "which lays out parameters placed in any way (or on one device) for the strategy."
+)
 
 
 def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool, given: Any = "read") -> _Leaf:
   """The layout of one parameter leaf, checked against what the user gave.
 
-  `placed`: the leaf must already be laid out as the strategy wants over the
-  data axes (the step: a silent reshard would cost a collective); otherwise
-  (shard_train_state) a leaf may be anywhere, and only shardings over the data
-  axes that contradict the strategy are errors. `given`: the leaf's entries
-  (`given_spec`), None when unknown (dimensions not taken by a data axis are
-  then left unconstrained).
+  One rule for every strategy. `placed=False` (`ja.shard_train_state`, the
+  placement call): a leaf may be anywhere (host, one device, another layout
+  over the data axes, another mesh) and is re-laid in the strategy's layout,
+  keeping its sharding over the other axes of this mesh. `placed=True` (a
+  step): a leaf on one device (or a host value) is re-laid by the step, as
+  `jax.jit` places an argument; a leaf placed over several devices must be
+  laid out over the data axes exactly as `ja.shard_train_state` lays it (a
+  silent reshard would cost a collective on every step), else a ValueError
+  naming the leaf, its layout and the one expected, the same for every
+  strategy. `given`: the leaf's entries (`given_spec`), None when unknown
+  (dimensions not taken by a data axis are then left unconstrained).
   """
   where = f"params{jax.tree_util.keystr(path)}"
   shape = tuple(np.shape(x))
   if given == "read":
     given = given_spec(x, mesh)
-  if given == "other mesh":
-    raise ValueError(
-      f"{where} is placed on another mesh ({_sharding_of(x).mesh}) than mesh={mesh}: re-place the parameters "
-      "and optimizer state on this mesh with ja.shard_train_state(params, optimizer, mesh, strategy=...) "
-      "(or jax.device_put(tree, NamedSharding(mesh, PartitionSpec())) for replicated ones)"
+  if placed and given in ("other mesh", "not named"):
+    what = (
+      f"placed on another mesh ({_sharding_of(x).mesh})" if given == "other mesh" else "not placed by a NamedSharding"
     )
-  if given == "not named":
-    if placed and plan.params_sharded:
-      raise ValueError(
-        f"{where} has sharding {_sharding_of(x)}, not a NamedSharding on the mesh: place the parameters and "
-        "optimizer state with ja.shard_train_state(params, optimizer, mesh, strategy=...)"
-      )
+    raise ValueError(
+      f"{where} is {what}, not laid out on mesh={mesh} for strategy={plan.strategy!r} (sharding "
+      f"{_sharding_of(x)}). {_PLACE}"
+    )
+  check = placed and isinstance(given, tuple)  # a step given a leaf placed on the mesh
+  if isinstance(given, str):  # one device, or (shard_train_state) anywhere else: laid out from scratch
     given = (None,) * len(shape)
   unknown = given is None
   if unknown:
@@ -235,13 +243,9 @@ def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool, given: Any =
         f"axis together, which strategy={plan.strategy!r} does not handle"
       )
     base.append(None if any(n in data for n in names) else entry)
-  used_data = [e for e in given if any(n in data for n in _names(e))]
   opt, dim = _layout(shape, base, mesh, plan.shard_axis)
   param = opt if plan.params_sharded else list(base)
-  # shard_train_state takes any layout that does not contradict the strategy over the data axes;
-  # a step takes exactly the layout shard_train_state gives over them.
-  placed_somewhere = placed and not unknown and (plan.params_sharded or used_data)
-  if (used_data or placed_somewhere) and list(given) != param:
+  if check and list(given) != param:
     rule = (
       "its largest dimension not sharded otherwise and divisible by the data axis size, if any"
       if plan.params_sharded
@@ -249,8 +253,7 @@ def _leaf_layout(path, x, mesh: Mesh, plan: _Plan, *, placed: bool, given: Any =
     )
     raise ValueError(
       f"{where} has sharding spec {_spec(list(given))}, which conflicts with strategy={plan.strategy!r} "
-      f"over data axes {plan.batch_axes}: it expects {_spec(param)} ({rule}). Place parameters and "
-      "optimizer state with ja.shard_train_state(params, optimizer, mesh, strategy=...)."
+      f"over data axes {plan.batch_axes}: it expects {_spec(param)} ({rule}). {_PLACE}"
     )
   other = any(e is not None for e in base)
   if unknown:  # inside an outer jit on an Auto mesh: the partitioner keeps what it was given on other axes
@@ -364,6 +367,13 @@ def shard_train_state(params, optimizer, mesh: Mesh, *, strategy: str = "ddp", d
   axis); ddp replicates both. Shardings the parameters already have over other
   mesh axes (e.g. "model") are kept.
 
+  Parameters may come placed in any way: host values, on one device,
+  replicated, sharded over the data axes by hand or in another strategy's
+  layout, on another mesh; they are re-laid in this strategy's layout (the
+  same rule for every strategy). A step then takes them as they are, or
+  re-lays parameters given on one device; parameters placed on the mesh in
+  another layout it refuses (see `make_train_step`).
+
   Nothing is ever materialised in full on one device: the parameters go
   straight to their shards, and the optimizer state is created by a jitted
   `optimizer.init` whose outputs are laid out sharded (for zero1 it runs on
@@ -448,7 +458,10 @@ def _auto_other(fn, leaf, axis):
   if not others:
     return fn
   spec = _spec(entries)
-  return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), axis_names=others, in_specs=spec, out_specs=spec)
+  # Typed as the enclosing shard_map types (the step's is untyped): mixed, the types disagree.
+  check = parallel.vma_tracking(axis)
+  mesh = jax.sharding.get_abstract_mesh()
+  return jax.shard_map(fn, mesh=mesh, axis_names=others, in_specs=spec, out_specs=spec, check_vma=check)
 
 
 def _reduce_scatter(xs, leaves, axis, size, wire):

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jaxaccum import _engine, _tree, sharded
 from jaxaccum._split import leading_size
@@ -117,9 +117,19 @@ class TrainStep:
     _check_opt_state(cfg.optimizer, named["params"], named["opt_state"])
     given = None
     if cfg.mesh is not None:
-      given = tuple(sharded.given_spec(x, cfg.mesh) for x in jax.tree.leaves(named["params"]))
-      # Concrete parameters must be laid out as the strategy wants (a silent reshard costs a collective).
-      sharded._layouts(named["params"], cfg.mesh, cfg.plan, placed=True, given=list(given))
+      params = named["params"]
+      given = tuple(sharded.given_spec(x, cfg.mesh) for x in jax.tree.leaves(params))
+      # Parameters placed on the mesh must be laid out as the strategy wants (a silent reshard costs a
+      # collective every step); ones on one device (or host values) are placed here, as jit would.
+      layouts = sharded._layouts(params, cfg.mesh, cfg.plan, placed=True, given=list(given))
+      if "one device" in given:
+        flat = jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)
+        leaves = [
+          sharded._put(x, NamedSharding(cfg.mesh, lay.param_spec)) if g == "one device" else x
+          for x, g, lay in zip(jax.tree.leaves(params), given, flat, strict=True)
+        ]
+        named["params"] = jax.tree.unflatten(jax.tree.structure(params), leaves)
+        given = tuple(sharded.given_spec(x, cfg.mesh) for x in leaves)
     args = tuple(named.get(n) for n in self._arg_names)
     return args, given
 
@@ -236,6 +246,12 @@ def make_train_step(
       (pass it through `ja.shard_batch`, params and state through
       `ja.replicate`, in particular on several processes), and the gradient is
       all-reduced once per step. Other mesh axes see replicated computation.
+      Placement, the same rule for every strategy: parameters on one device
+      (or host values) are re-laid by the step; parameters placed on the
+      mesh must be laid out as `ja.shard_train_state` lays them for the
+      strategy, else a ValueError naming the leaf (that call places any
+      layout). A `loss_fn` that runs its own `jax.shard_map` over the data
+      axis (pmean inside) is a ValueError: pass the plain per-batch loss.
     data_axis: the mesh axis the batch is split over.
     has_aux: `loss_fn` returns `(loss, aux)`; aux (array pytree) is combined
       per `aux_reductions`, by default averaged like the loss.
@@ -275,7 +291,10 @@ def make_train_step(
       for the backward pass and its gradient reduce-scattered as soon as it
       exists, so a device never holds the whole model; with `grad_norms` or
       `noise_scale`, which measure each device's whole microbatch gradient,
-      the tree is gathered whole per microbatch) or "once" (comm-lean: one
+      the tree is gathered whole per microbatch; an equation it cannot
+      replay layer by layer, a nested `jax.shard_map` or a `while` loop,
+      gathers the leaves it uses whole, for that equation only: see
+      docs/guides/train-step.md) or "once" (comm-lean: one
       parameter all-gather per step instead of K, at the cost of one full
       parameter copy and one full accumulator per device). Given with another
       strategy it is a ValueError (there is nothing to gather).

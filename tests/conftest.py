@@ -53,3 +53,9 @@ def problem():
   """A float64 regression problem: (params, loss_fn, data of 120 rows)."""
   params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
   return params, mse_loss, regression_data(jax.random.PRNGKey(1), 120)
+
+
+def pytest_configure(config):
+  # `@pytest.mark.slow`: full-size runs (pyproject registers it too; here only if it does not).
+  if not any(line.split(":")[0].strip() == "slow" for line in config.getini("markers")):
+    config.addinivalue_line("markers", "slow: a full-size run (minutes); the default run may deselect it")

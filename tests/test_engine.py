@@ -477,3 +477,197 @@ def test_skipped_update_costs_no_memory_and_moves_nothing(strategy, opt_name):
     assert not bool(metrics["applied"])
     chex.assert_trees_all_equal(jax.device_get(new_p), want_p)
     chex.assert_trees_all_equal(jax.device_get(new_s), want_s)
+
+
+# --------------------------------------------------------------------------- real model code (issue 25)
+
+
+def _strategy_runs(strategies=STRATEGIES):
+  """(name, make_train_step kwargs, mesh, data axis, devices over the data axes) per strategy."""
+  for strategy in strategies:
+    kwargs, mesh, axis, _, _, _ = setup("plain", strategy)
+    yield strategy, kwargs, mesh, axis, 1 if mesh is None else 8
+
+
+def _per_microbatch_step(loss, params, batch, devices, opt):
+  """The plain step: each of the engine's microbatches differentiated alone with jax.grad, averaged, `opt` once."""
+  take = lambda rows: jax.tree.map(lambda v: v[rows], batch)
+  grads = [jax.grad(loss)(params, take(rows)) for _, _, rows in microbatches(batch, devices)]
+  mean = jax.tree.map(lambda *gs: sum(gs) / len(gs), *grads)
+  updates, _ = opt.update(mean, opt.init(params), params)
+  return optax.apply_updates(params, updates)
+
+
+def _assert_exact_under(strategy, kwargs, mesh, axis, devices, loss, params, batch, opt):
+  step = ja.make_train_step(loss, opt, mesh=mesh, data_axis=axis, **kwargs)
+  if mesh is None:
+    p, s, b = params, opt.init(params), batch
+  else:
+    p, s = ja.shard_train_state(params, opt, mesh, strategy=kwargs["strategy"], data_axis=axis)
+    b = ja.shard_batch(batch, mesh, axis)
+  new_p, _, metrics = step(p, s, b)
+  assert bool(metrics["applied"]), strategy
+  want = _per_microbatch_step(loss, params, batch, devices, opt)
+  chex.assert_trees_all_close(jax.device_get(new_p), want, rtol=1e-10, atol=1e-12)
+
+
+@jax.custom_vjp
+def clip_gradient(lo, hi, x):
+  """The JAX tutorial's custom_vjp: the identity forwards, its cotangent clipped to [lo, hi] backwards."""
+  return x
+
+
+clip_gradient.defvjp(lambda lo, hi, x: (x, (lo, hi)), lambda res, g: (None, None, jnp.clip(g, *res)))
+
+
+def clipped_loss(params, batch):
+  w = clip_gradient(-0.01, 0.01, params[0]["w"])
+  h = jnp.tanh(batch["x"] @ w + params[0]["b"])
+  return jnp.mean(jnp.sum((h @ params[1]["w"] + params[1]["b"] - batch["y"]) ** 2, axis=-1))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_backward_rule_nonlinear_in_its_cotangent_sees_the_plain_cotangent(strategy):
+  """clip_gradient on a weight: each microbatch's gradient is clipped as plain jax.grad clips it, then weighted.
+
+  fsdp's layerwise path once scaled the loss by the microbatch's share (1/16) before the backward pass,
+  so the clip acted on a 16x smaller cotangent (effectively a 16x larger threshold).
+  """
+  _, _, _, batch, _, _ = setup("plain", "none")
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  g = jax.grad(clipped_loss)(params, jax.tree.map(lambda v: v[:2], batch))
+  assert float(jnp.max(jnp.abs(g[0]["w"]))) == 0.01  # the clip binds: the test can tell the two cotangents apart
+  ((name, kwargs, mesh, axis, devices),) = _strategy_runs((strategy,))
+  _assert_exact_under(name, kwargs, mesh, axis, devices, clipped_loss, params, batch, optax.sgd(1.0))
+
+
+def constant_carry_loss(params, batch):
+  """Loops whose carry starts as a constant: an RNN from zeros, a penalty from 0.0, a power iteration from ones."""
+  w, b = params[0]["w"], params[0]["b"]  # (3, 8), (8,)
+
+  def cell(h, xt):  # one input feature per time step
+    return jnp.tanh(h @ (w.T @ w) / 3 + xt[:, None] * w[0] + b), None
+
+  h, _ = jax.lax.scan(cell, jnp.zeros((batch["x"].shape[0], 8)), batch["x"].T)
+  out = h @ params[1]["w"] + params[1]["b"]
+  penalty = jax.lax.fori_loop(0, 3, lambda i, acc: acc + jnp.sum(b**2) / (i + 1), 0.0)
+  v = jax.lax.fori_loop(0, 4, lambda i, v: (w.T @ w) @ v / jnp.linalg.norm((w.T @ w) @ v), jnp.ones(8))
+  return jnp.mean(jnp.sum((out - batch["y"]) ** 2, axis=-1)) + 0.01 * penalty + 0.01 * jnp.sum(v)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_loops_whose_carry_starts_as_a_constant_run_on_every_strategy(strategy):
+  """On a mesh these once failed with JAX's scan carry type error (its hint: a pcast in code with no shard_map)."""
+  _, _, _, batch, _, _ = setup("plain", "none")
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  ((name, kwargs, mesh, axis, devices),) = _strategy_runs((strategy,))
+  _assert_exact_under(name, kwargs, mesh, axis, devices, constant_carry_loss, params, batch, optax.adam(1e-2))
+
+
+def _data_parallel_loss(mesh, axis):
+  """The docs' hand-written data-parallel loss: its own shard_map over the data axis, pmean inside."""
+
+  def loss(params, batch):
+    local = lambda p, b: jax.lax.pmean(masked_loss(p, b), axis)
+    return jax.shard_map(local, mesh=mesh, in_specs=(jax.P(), jax.P(axis)), out_specs=jax.P())(params, batch)
+
+  return loss
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "none"])
+def test_a_loss_that_shard_maps_over_the_data_axis_itself_is_refused_by_name(strategy):
+  kwargs, mesh, axis, batch, _, _ = setup("plain", strategy)
+  opt = optax.sgd(0.1)
+  p, s = ja.shard_train_state(
+    mlp_init(jax.random.PRNGKey(0), SIZES), opt, mesh, strategy=kwargs["strategy"], data_axis=axis
+  )
+  step = ja.make_train_step(_data_parallel_loss(mesh, axis), opt, mesh=mesh, data_axis=axis, **kwargs)
+  with pytest.raises(
+    ValueError, match=r"loss_fn calls jax.shard_map over the data axis.*Pass the plain per-batch loss"
+  ):
+    step.lower(p, s, ja.shard_batch(batch, mesh, axis))
+
+
+def _annotated_loss(params, batch):
+  """The training cookbook's style: activations annotated with the data axis (an Explicit mesh)."""
+  x, y = batch
+  h = jnp.tanh(x @ params[0]["w"] + params[0]["b"])
+  h = jax.sharding.reshard(h, jax.P("data", None))
+  out = h @ params[1]["w"] + params[1]["b"]
+  return jnp.mean(jnp.sum((out - y) ** 2, axis=-1))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_data_axis_annotations_in_the_loss_are_refused_by_name(strategy):
+  """Once JAX's 'PartitionSpec passed to einsum cannot contain axis names ... Manual' from inside the step."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  x, y = regression_data(jax.random.PRNGKey(1), 32, SIZES[0], SIZES[-1])
+  opt = optax.sgd(0.1)
+  p, s = ja.shard_train_state(mlp_init(jax.random.PRNGKey(0), SIZES), opt, mesh, strategy=strategy)
+  step = ja.make_train_step(_annotated_loss, opt, mesh=mesh, strategy=strategy)
+  with (
+    jax.set_mesh(mesh),
+    pytest.raises(ValueError, match=r"make_train_step: the loss annotates a sharding over the data axis 'data'.*drop"),
+  ):
+    step.lower(p, s, ja.shard_batch((x, y), mesh))
+
+
+@jax.custom_jvp
+def _softplus(x):
+  return jnp.logaddexp(x, 0.0)
+
+
+_softplus.defjvp(lambda primals, tangents: (_softplus(primals[0]), tangents[0] * jax.nn.sigmoid(primals[0])))
+
+
+@jax.custom_vjp
+def _dense(x, w):
+  return x @ w
+
+
+_dense.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+
+def model_code_loss(params, batch):
+  """A custom_jvp activation, a custom_vjp layer, a lax.cond on a parameter, jax.checkpoint with a policy,
+  a fori_loop over a layer, a tied (reused, transposed) weight."""
+  w1, b1, w2, b2 = params[0]["w"], params[0]["b"], params[1]["w"], params[1]["b"]
+  policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  h = jax.checkpoint(lambda x, w: _softplus(_dense(x, w) + b1), policy=policy)(batch["x"], w1)
+  h = jax.lax.cond(jnp.sum(w1) > 0, lambda h: jnp.tanh(h), lambda h: jnp.sin(h), h)
+  h = jax.lax.fori_loop(0, 2, lambda i, h: jnp.tanh(h @ (w1.T @ w1) / 3), h)
+  return jnp.mean(jnp.sum((h @ w2 + b2 - batch["y"]) ** 2, axis=-1))
+
+
+def tensor_parallel_loss(params, batch):
+  """The docs' tensor-parallel layer: a shard_map over "model" inside the loss, its psum inside."""
+
+  def layer(w1, w2, x):
+    return jax.lax.psum(jnp.tanh(x @ w1) @ w2, "model")
+
+  specs = (jax.P(None, "model"), jax.P("model", None), jax.P())
+  out = jax.shard_map(layer, in_specs=specs, out_specs=jax.P(), axis_names={"model"})(
+    params[0]["w"], params[1]["w"], batch["x"]
+  )
+  return jnp.mean(jnp.sum((out + params[1]["b"] - batch["y"]) ** 2, axis=-1))
+
+
+@pytest.mark.parametrize("loss", [model_code_loss, tensor_parallel_loss], ids=["model_code", "tensor_parallel"])
+def test_layerwise_fsdp_runs_model_code_exactly_or_falls_back_and_says_so(loss):
+  """fsdp's per-microbatch gather on what the JAX docs teach: exact, and the whole-leaf fallback reported.
+
+  The nested shard_map once failed inside the layerwise backward ("Expected cotangent type ... got ...@model").
+  """
+  from jaxaccum import _layerwise
+
+  _, _, _, batch, _, _ = setup("plain", "none")
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  opt = optax.adam(1e-2)
+  # "model" first: Shardy wants a nested shard_map's manual axes before the outer one's in the mesh.
+  mesh = jax.make_mesh((2, 4), ("model", "data"), axis_types=(AxisType.Auto,) * 2)
+  _layerwise.clear_fallbacks()
+  with jax.set_mesh(mesh):
+    _assert_exact_under(
+      "fsdp", dict(num_microbatches=K, donate=False, strategy="fsdp"), mesh, "data", 4, loss, params, batch, opt
+    )
+  assert set(_layerwise.fallbacks()) == ({"shard_map"} if loss is tensor_parallel_loss else set())

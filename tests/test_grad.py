@@ -582,9 +582,9 @@ def test_closures_and_data_axis_annotations_are_refused_by_name():
   with jax.set_mesh(mesh):
     p = jax.device_put(params, NamedSharding(mesh, P()))
     batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
-    with pytest.raises(ValueError, match=r"ja\.grad: fun annotates a sharding over the data axis 'data'.*drop"):
+    with pytest.raises(ValueError, match=r"ja\.grad: the loss annotates a sharding over the data axis 'data'.*drop"):
       jax.jit(ja.grad(annotated, axis_name="data"))(p, batch)
-    with pytest.raises(ValueError, match=r"ja\.grad: fun reads an array sharded over 'data' from the enclosing"):
+    with pytest.raises(ValueError, match=r"ja\.grad: the loss reads an array sharded over 'data' from the enclosing"):
       jax.jit(lambda q, b: ja.grad(lambda q: mse_loss(q, b), axis_name="data")(q))(p, batch)
 
 

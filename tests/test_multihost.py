@@ -126,3 +126,43 @@ def test_a_failed_worker_ends_both_and_the_last_checkpoint_resumes_exactly(tmp_p
   final = np.load(tmp_path / "kill" / "final.npz")
   got = [final[f"arr_{i}"] for i in range(len(jax.tree.leaves(params)))]
   chex.assert_trees_all_close(got, jax.tree.leaves(params), rtol=1e-12, atol=1e-15)
+
+
+SLOWLINK_WORKER = os.path.join(os.path.dirname(__file__), "_multihost_slowlink_worker.py")
+
+
+@pytest.mark.slow
+def test_diloco_train_step_with_the_replica_axis_across_processes(tmp_path):
+  """ja.diloco_train_step, process r = replica r, equals one process's shard_map + ja.diloco (1e-12)."""
+  import _multihost_slowlink_worker as sw
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  import jaxaccum as ja
+
+  out = tmp_path / "replica"
+  run_workers(SLOWLINK_WORKER, sw.NUM_PROCESSES, out, TIMEOUT_S)
+  params, (x, y) = sw.problem()
+  inner, outer = sw.optimizers()
+  tx = ja.diloco(inner, outer, sw.SYNC_EVERY, axis_name="r", **sw.OPTIONS)
+  mesh = Mesh(np.array(jax.devices()[: sw.NUM_PROCESSES]), ("r",))
+  head = lambda t: jax.tree.map(lambda a: a[0], t)
+  stack = lambda t: jax.tree.map(lambda a: a[None], t)
+
+  def body(params, state, batch):
+    params, state = head(params), head(state)
+    updates, state = tx.update(jax.grad(sw.loss_fn)(params, head(batch)), state, params)
+    return stack(optax.apply_updates(params, updates)), stack(state)
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("r"), out_specs=P("r")))
+  rep = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (sw.NUM_PROCESSES, *np.shape(a))), t)
+  p, s = rep(params), rep(tx.init(params))
+  split = (x.reshape(sw.NUM_PROCESSES, -1, 3), y.reshape(sw.NUM_PROCESSES, -1, 2))
+  for _ in range(sw.STEPS):
+    p, s = fn(p, s, split)
+  n = len(jax.tree.leaves(params))
+  for r in range(sw.NUM_PROCESSES):
+    got = np.load(f"{out}.{r}.npz")
+    leaves = [got[f"arr_{i}"] for i in range(2 * n)]
+    want = [np.asarray(v)[r] for v in jax.tree.leaves(p)] + [np.asarray(v)[r] for v in jax.tree.leaves(s.anchor)]
+    chex.assert_trees_all_close(leaves, want, rtol=1e-12, atol=1e-12)

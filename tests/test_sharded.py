@@ -259,21 +259,64 @@ def test_bad_input_names_the_value():
     sharded.shard_train_state(params, opt, mesh, strategy="fsdp", data_axis="batch")
   with pytest.raises(ValueError, match="fsdp_gather='always'"):
     ja.make_train_step(mse_loss, opt, strategy="fsdp", mesh=mesh, fsdp_gather="always")
-  # zero1 keeps parameters replicated over the data axis: a data-sharded parameter conflicts.
-  bad = list(params)
-  bad[1] = dict(bad[1], w=jax.device_put(bad[1]["w"], NamedSharding(mesh, P("data"))))
-  with pytest.raises(ValueError, match=r"params\[1\]\['w'\].*P\('data',?\).*strategy='zero1'"):
-    sharded.shard_train_state(bad, opt, mesh, strategy="zero1")
-  # fsdp shards (3, 32) on its dimension 1; the user's dimension-0 split conflicts.
-  bad = list(params)
-  bad[1] = dict(bad[1], w=jax.device_put(bad[1]["w"], NamedSharding(mesh, P(None, "data"))))
-  with pytest.raises(ValueError, match=r"params\[1\]\['w'\].*conflicts with strategy='fsdp'.*expects P\('data',?\)"):
-    sharded.shard_train_state(bad, opt, mesh, strategy="fsdp")
   # A step given parameters laid out for another strategy.
   p, s = sharded.shard_train_state(params, opt, mesh, strategy="zero1")
   step = ja.make_train_step(mse_loss, opt, strategy="fsdp", mesh=mesh)
   with pytest.raises(ValueError, match=r"params\[0\]\['b'\] has sharding spec P\(\).*strategy='fsdp'"):
     step.lower(p, s, regression_data(jax.random.PRNGKey(1), ROWS))
+
+
+# --------------------------------------------------------------------------- placement: one rule (issue 25)
+
+PLACEMENT = [("ddp", "data"), ("zero1", "data"), ("fsdp", "data"), ("hsdp", ("rep", "shard"))]
+
+
+def _placements(mesh, axes, params):
+  """The parameters as users place them: on one device, replicated, sharded per fsdp, per hsdp's shard axis."""
+  shard_axis = axes if isinstance(axes, str) else axes[1]
+  by_hand = lambda spec_of: jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec_of(x))), params)
+  largest = lambda x: P(
+    *[shard_axis if d == int(np.argmax(x.shape)) and x.shape[d] % 4 == 0 else None for d in range(x.ndim)]
+  )
+  return {
+    "one device": jax.device_put(params, jax.devices()[0]),
+    "replicated": by_hand(lambda x: P()),
+    "sharded by hand": by_hand(largest),
+  }
+
+
+@pytest.mark.parametrize("strategy, axes", PLACEMENT)
+def test_placement_is_one_rule_for_every_strategy(strategy, axes):
+  """shard_train_state re-lays parameters placed any way; a step re-lays one-device parameters and refuses,
+  with one message for every strategy, parameters placed on the mesh in another strategy's layout."""
+  mesh = data_mesh() if strategy != "hsdp" else hsdp_mesh()
+  opt = optax.sgd(0.1)
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  want_p, want_s = sharded.shard_train_state(params, opt, mesh, strategy=strategy, data_axis=axes)
+  same = lambda a, b: all(
+    x.sharding.is_equivalent_to(y.sharding, x.ndim) for x, y in zip(*map(jax.tree.leaves, (a, b)), strict=True)
+  )
+  placements = _placements(mesh, axes, params)
+  for name, placed in placements.items():
+    p, s = sharded.shard_train_state(placed, opt, mesh, strategy=strategy, data_axis=axes)
+    assert same(p, want_p), name
+    chex.assert_trees_all_equal(jax.device_get(p), params)
+  batch = regression_data(jax.random.PRNGKey(1), ROWS)
+  step = ja.make_train_step(mse_loss, opt, strategy=strategy, mesh=mesh, data_axis=axes, donate=False)
+  new_p, _, _ = step(placements["one device"], want_s, batch)  # re-laid by the step
+  assert same(new_p, want_p)
+  grads = jax.grad(mse_loss)(params, batch)
+  chex.assert_trees_all_close(jax.device_get(new_p), jax.tree.map(lambda x, g: x - 0.1 * g, params, grads), rtol=1e-12)
+  for name in ("replicated", "sharded by hand"):
+    if same(placements[name], want_p):
+      step.lower(placements[name], want_s, batch)  # already the strategy's layout
+      continue
+    with pytest.raises(
+      ValueError,
+      match=rf"conflicts with strategy='{strategy}'.*Place parameters and optimizer "
+      r"state with ja.shard_train_state\(params, optimizer, mesh, strategy=...\), which lays out",
+    ):
+      step.lower(placements[name], want_s, batch)
 
 
 def test_a_whole_train_state_or_a_nonfinite_gradient_never_reaches_the_parameters():

@@ -7,8 +7,10 @@ the machine has fewer.
 
 One module per section (`accumulate`, `microbatch`, `flax`, `lowcomm`, `sharded`, `fsdp`,
 `noise`, `grad`, `per_example`), each with
-`run(quick) -> list of {"title", "markdown", ...}`; `common` holds the MLP, its
-data and the timing helpers they share. Importing this package touches no device.
+`run(quick) -> list of {"title", "markdown", "data"}`; `common` holds the MLP, its
+data and the timing helpers they share. The JSON adds to each result its `id`
+(section/title slug) and its `tables` as structured rows; `figures` rewrites the
+docs' marked regions from them. Importing this package touches no device.
 """
 
 from __future__ import annotations
@@ -33,6 +35,21 @@ def _setup_devices(num_devices: int) -> None:
     pass
 
 
+def run_header(quick: bool) -> dict:
+  """When, where and with what a run was measured: the JSON's header, printed under each docs table."""
+  import jax  # noqa: PLC0415
+
+  return {
+    "date": datetime.date.today().isoformat(),
+    "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
+    "backend": jax.default_backend(),
+    "devices": [str(d.device_kind) for d in jax.devices()][:1] + [f"x{jax.device_count()}"],
+    "jax": jax.__version__,
+    "python": platform.python_version(),
+    "quick": quick,
+  }
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jaxaccum.bench", description=(__doc__ or "").split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (seconds, for tests)")
@@ -45,17 +62,9 @@ def main(argv=None) -> int:
     parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
 
   _setup_devices(8)
-  import jax  # noqa: PLC0415
+  from jaxaccum.bench.figures import structured  # noqa: PLC0415
 
-  header = {
-    "date": datetime.date.today().isoformat(),
-    "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-    "backend": jax.default_backend(),
-    "devices": [str(d.device_kind) for d in jax.devices()][:1] + [f"x{jax.device_count()}"],
-    "jax": jax.__version__,
-    "python": platform.python_version(),
-    "quick": args.quick,
-  }
+  header = run_header(args.quick)
   print(
     f"# jaxaccum benchmark ({header['date']}, {header['backend']}, {header['machine']}, "
     f"jax {header['jax']}{', quick' if args.quick else ''})\n"
@@ -65,7 +74,8 @@ def main(argv=None) -> int:
     module = importlib.import_module(f"jaxaccum.bench.{name}")
     for result in module.run(quick=args.quick):
       print(f"## {result['title']}\n\n{result['markdown']}\n", flush=True)
-      results.append({"section": name, **result})
+      # With its id and its tables as structured rows: what `python -m jaxaccum.bench.figures` reads.
+      results.append(structured(name, {"section": name, **result}))
   report = {"header": header, "sections": results}
   with open(args.json, "w") as f:
     json.dump(report, f, indent=2, default=float)

@@ -34,7 +34,6 @@ may prefetch the next layer's gather (one more layer alive).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -48,9 +47,6 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import jaxaccum as ja
 from jaxaccum import _engine, _hlo
 from jaxaccum._layerwise import layerwise
-
-_TRIP = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
-
 
 # --------------------------------------------------------------------------- the model
 
@@ -219,44 +215,7 @@ def collectives_per_step(hlo_text: str, num_devices: int = 8) -> dict[str, dict[
   A collective inside a while loop runs (trip count) times per run of the loop;
   nested loops multiply (a layer scan inside the microbatch loop: K L times).
   """
-  computations, entry = _hlo._instructions(hlo_text)
-  out: dict[str, dict[str, float]] = {}
-
-  def visit(name, times, depth):
-    if name not in computations or depth > 50:
-      return
-    for opcode, result, line, called in computations[name]:
-      base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
-      if base in _hlo.COLLECTIVES and not opcode.endswith("-done"):
-        arrays = _hlo._ARRAY.findall(result)
-        # A synchronous collective's result may be a tuple (leaves packed into one instruction): all of it.
-        # An async start returns (operands..., results...): the result is the last array.
-        if base == opcode:
-          result_bytes = _hlo._array_bytes(result)
-        else:
-          result_bytes = _hlo._array_bytes("{}[{}]".format(*arrays[-1])) if arrays else 0
-        groups = _hlo._groups(line)
-        n = len(next(iter(groups))) if groups else num_devices
-        if base == "all-gather":
-          ring: float = result_bytes // n * (n - 1)
-        elif base == "reduce-scatter":
-          ring = result_bytes * (n - 1)
-        elif base == "all-reduce":
-          ring = 2 * (n - 1) * result_bytes / n
-        else:
-          ring = result_bytes
-        slot = out.setdefault(base, {"count": 0, "bytes": 0.0})
-        slot["count"] += times
-        slot["bytes"] += times * ring
-      trip = _TRIP.search(line) if opcode == "while" else None
-      for kind, target in called:
-        if kind == "condition":
-          continue
-        visit(target, times * (int(trip.group(1)) if trip and kind == "body" else 1), depth + 1)
-
-  if entry is not None:
-    visit(entry, 1, 0)
-  return out
+  return _hlo.per_call(hlo_text, num_devices)  # the counting of `ja.count_collectives` / `ja.collective_bytes`
 
 
 # --------------------------------------------------------------------------- the tables
@@ -405,7 +364,7 @@ def skip_table(width: int = 512, depth: int = 12, batch: int = 256, k: int = 4, 
   devices = jax.devices()[:8]
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
   hsdp_mesh = jax.make_mesh((2, 4), ("replica", "shard"), axis_types=(AxisType.Auto,) * 2, devices=devices)
-  opts = (
+  opts: tuple = (
     ("adam", optax.adam(1e-3)),
     ("clip_by_global_norm + adamw", optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))),
   )
@@ -413,7 +372,7 @@ def skip_table(width: int = 512, depth: int = 12, batch: int = 256, k: int = 4, 
   loss = _loss("listed")
   x = jax.random.normal(jax.random.PRNGKey(0), (batch, width), jnp.float32)
   y = jnp.zeros((batch, width), jnp.float32)
-  cases = (  # name, strategy, mesh, data_axis, fsdp_gather
+  cases: tuple = (  # name, strategy, mesh, data_axis, fsdp_gather
     ("ddp", "ddp", mesh, "data", None),
     ("zero1", "zero1", mesh, "data", None),
     ("fsdp per_microbatch", "fsdp", mesh, "data", "per_microbatch"),

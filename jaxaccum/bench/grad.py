@@ -8,9 +8,9 @@ axis, the batch sharded over it, one call per microbatch, K calls per update:
 * `optax.MultiSteps` with `jax.grad`: the partitioner all-reduces every call;
 * plain `jax.grad` + `ja.accumulate` (no axis_name): the same, K per window.
 
-Counted in the compiled HLO of the step with `_hlo`'s parser of called
-computations: an instruction at the top level runs on every call, one inside a
-conditional's branch only at the window's end. Per window = K x top + 1 x branch.
+Counted in the compiled HLO of the step with `ja.count_collectives` (executions
+per call, loop trip counts included): `branches="none"` is what runs on every
+call, the rest sits in the window-end branch. Per window = K x every call + 1 x branch.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from jaxaccum import _hlo
 from jaxaccum.accumulate import accumulate
 from jaxaccum.bench.common import mlp_batch, mlp_loss, mlp_params, tree_bytes
 from jaxaccum.grad import grad as ja_grad
+from jaxaccum.hlo import collective_bytes, count_collectives
 
 
 def _step(kind: str, inner, k: int):
@@ -46,15 +47,19 @@ def _step(kind: str, inner, k: int):
 
 
 def per_window(hlo: str, k: int, num_devices: int) -> dict:
-  """Collective instructions and bytes per window of k calls: k x (top level) + 1 x (window-end branch)."""
-  found = _hlo.collectives(hlo, num_devices)
+  """Collective executions and bytes per window of k calls: k x (every call) + 1 x (window-end branch)."""
+  every = sum(count_collectives(hlo, branches="none").values())
+  end = sum(count_collectives(hlo).values()) - every
+  ring_every = sum(collective_bytes(hlo, num_devices=num_devices, branches="none").values())
+  ring_end = sum(collective_bytes(hlo, num_devices=num_devices).values()) - ring_every
+  found = _hlo.collectives(hlo, num_devices)  # result bytes (what is reduced), by where each one runs
   calls = {"top": k, "branch": 1}
   return {
-    "instructions": sum(calls.get(c.where, k) for c in found),
+    "instructions": k * every + end,
     "result_bytes": sum(calls.get(c.where, k) * c.result_bytes for c in found),
-    "ring_bytes": sum(calls.get(c.where, k) * c.ring_bytes for c in found),
-    "per_micro_step": sum(1 for c in found if c.where != "branch"),
-    "at_window_end": sum(1 for c in found if c.where == "branch"),
+    "ring_bytes": k * ring_every + ring_end,
+    "per_micro_step": every,
+    "at_window_end": end,
   }
 
 

@@ -138,7 +138,9 @@ def run(quick: bool = False) -> list[dict]:
     ]
   )
   sections = [{"title": "lowcomm: all-reduce bytes per 100 updates", "markdown": table, "data": data}]
-  return sections + [_streaming(params, batch, ndev, param_bytes, depth, width, quick)]
+  from jaxaccum.bench import textlm  # the bytes-vs-loss rows over a replica axis (issue 28)
+
+  return sections + [_streaming(params, batch, ndev, param_bytes, depth, width, quick), textlm.run(quick)]
 
 
 def _wire(hlo_text: str, ndev: int) -> tuple[int, float]:

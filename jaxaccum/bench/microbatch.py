@@ -24,8 +24,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxaccum import _hlo, parallel
+from jaxaccum import parallel
 from jaxaccum.bench.common import interleaved_medians, mlp_apply, mlp_batch, mlp_loss, mlp_params, tree_bytes
+from jaxaccum.hlo import count_collectives
 from jaxaccum.microbatch import pad_microbatches
 from jaxaccum.planner import compiled_memory_bytes
 from jaxaccum.train_step import make_train_step
@@ -178,9 +179,9 @@ def _time(quick):
   }
 
 
-def _per_update(hlo, calls_per_update=1, k=1):
-  where = _hlo.locate(hlo, "all-reduce")
-  return calls_per_update * (where["top"] + where["branch"]) + k * where["loop"] * calls_per_update
+def _per_update(hlo, calls_per_update=1):
+  """All-reduces executed per update: per call (loop trip counts included) x calls per update."""
+  return calls_per_update * count_collectives(hlo).get("all-reduce", 0)
 
 
 def _all_reduces(quick):
@@ -226,11 +227,11 @@ def _all_reduces(quick):
     updates, state = opt.update(jax.tree.map(lambda g: g / k, grads), state, params)
     return optax.apply_updates(params, updates), state
 
-  counts["jit + sharded batch + scan"] = _per_update(scan_step.lower(*args).compile().as_text(), k=k)
+  counts["jit + sharded batch + scan"] = _per_update(scan_step.lower(*args).compile().as_text())
   md = "\n".join(
     [
       f"{n} devices, K={k}, adam; all-reduce instructions executed per update, counted in the compiled "
-      "HLO (inside a loop: x K; MultiSteps: x K calls).",
+      "HLO with `ja.count_collectives` (inside a loop: x its trip count K; MultiSteps: x K calls).",
       "",
       "| pattern | all-reduces / update |",
       "|---|---:|",

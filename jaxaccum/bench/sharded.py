@@ -24,6 +24,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jaxaccum as ja
 from jaxaccum import _hlo, sharded
+from jaxaccum.hlo import collective_bytes, count_collectives
 
 
 def _mlp(sizes, key):
@@ -44,17 +45,15 @@ def _device_bytes(tree, device):
   return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
 
 
-def _per_update(compiled, k: int, calls: int = 1) -> tuple[dict[str, int], int, int]:
+def _per_update(compiled, k: int, calls: int = 1) -> tuple[dict[str, int], int, float]:
   """(collectives by opcode, instructions inside the loop, ring bytes per device) per update.
 
-  A collective inside the microbatch loop runs K times per call; the call runs `calls` times per update.
+  Counted with `ja.count_collectives` / `ja.collective_bytes` (a collective inside the microbatch
+  loop runs its trip count, K, times per call); the call runs `calls` times per update.
   """
-  found = _hlo.collectives(compiled.as_text() or "", num_devices=8)
-  counts: dict[str, int] = {}
-  for c in found:
-    counts[c.opcode] = counts.get(c.opcode, 0) + calls * (k if c.where == "loop" else 1)
-  in_loop = sum(1 for c in found if c.where == "loop")
-  ring = calls * sum(c.ring_bytes * (k if c.where == "loop" else 1) for c in found)
+  counts = {op: calls * n for op, n in count_collectives(compiled).items()}
+  in_loop = sum(1 for c in _hlo.collectives(compiled.as_text() or "", num_devices=8) if c.where == "loop")
+  ring = calls * sum(collective_bytes(compiled, num_devices=8).values())
   return counts, in_loop, ring
 
 
@@ -280,7 +279,7 @@ def run(quick: bool = False) -> list[dict]:
   lines = [
     f"MLP {'-'.join(map(str, sizes))}, N = {total} bytes of float32 parameters, adam, 8 devices. "
     "Per-device bytes from `addressable_shards`; collectives per step and ring bytes sent per device "
-    "(a loop collective counts K times) from the compiled HLO.",
+    "(`ja.count_collectives`: a loop collective counts its trip count, K, times) from the compiled HLO.",
     "",
     "| strategy | K | params / device | adam state / device | XLA temp (bytes) | collectives per step "
     "| ring bytes / device |",

@@ -1,0 +1,43 @@
+"""What JAX says about model code written for the global batch, run per device, and what it means.
+
+`ja.grad` and `make_train_step` on a mesh run the user's loss on each device's
+own rows inside a `jax.shard_map` manual over the data axes. Two kinds of model
+code written for the global batch cannot run there, and JAX's errors about them
+come from deep inside; both entry points turn them into one jaxaccum message
+that names the construct and what works instead.
+"""
+
+from __future__ import annotations
+
+# JAX's wording (jax 0.10/0.11) for a sharding annotation that names a manual axis, and for a closure
+# over an array sharded on an Explicit axis.
+_MANUAL_ANNOTATION = ("cannot contain axis names that are of type Auto or Manual", "of type: AxisType.Manual")
+_CLOSURE = "Closing over inputs to shard_map where the input is sharded on `Explicit` axes"
+
+
+def explain(e: Exception, axis_name, *, entry: str, instead: str) -> Exception | None:
+  """The jaxaccum error for `e` raised by model code run per device, or None when `e` is something else.
+
+  Args:
+    e: what JAX raised while tracing the loss inside the per-device shard_map.
+    axis_name: the data axis (or axes) that shard_map makes manual.
+    entry: the entry point, for the message ("ja.grad", "make_train_step").
+    instead: what to use with annotated code as written (a clause ending the message).
+  """
+  text = str(e)
+  name = axis_name if isinstance(axis_name, str) else tuple(axis_name)
+  if any(s in text for s in _MANUAL_ANNOTATION):
+    return ValueError(
+      f"{entry}: the loss annotates a sharding over the data axis {name!r} (jax.sharding.reshard(x, P({name!r}, "
+      f"...)) or out_sharding=P({name!r}, ...), as the JAX training cookbook writes activations). {entry} runs "
+      f"the loss on each device's own rows (a jax.shard_map manual over {name!r}), where that axis cannot be "
+      f"named: drop the {name!r} entries from the annotations inside the loss (the rows are already split), or "
+      f"{instead}"
+    )
+  if _CLOSURE in text:
+    return ValueError(
+      f"{entry}: the loss reads an array sharded over {name!r} from the enclosing scope (a closure, e.g. "
+      f"def loss(params): ... batch ...). {entry} can give each device its rows only of the loss's arguments: "
+      "take the batch as an argument, def loss(params, batch)"
+    )
+  return None

@@ -1,0 +1,262 @@
+"""diloco_train_step(): (streaming) DiLoCo over a slow mesh axis, around any `make_train_step` step.
+
+A pod trains with `ja.make_train_step` over its fast "data" axis (any
+strategy: ddp, zero1, fsdp, hsdp); pods are joined by a slow link, the
+"replica" axis of the same mesh. This wrapper runs the step once per replica,
+each on its own rows and its own parameters, with `ja.diloco` as the
+optimizer: the step's optimizer is DiLoCo's inner optimizer, and DiLoCo's
+collectives (one fragment's outer gradient every H / F updates) are the only
+ones that cross the replica axis.
+
+Layout. Per-replica parameters, model state and optimizer state carry a
+leading replica dimension of size R laid out over the replica axis
+(`init` makes them from one copy of the parameters). The batch's rows are
+split over the replica axis first (replica r gets the r-th of R contiguous
+blocks of rows), then the step splits each block over its data axes. Inside,
+one `jax.shard_map` is manual over the replica axis only; the step's own
+shard_map over the data axes and its partitioner-laid-out update run inside
+it per replica, exactly as they would on a mesh without the replica axis.
+
+Equivalence. Replica r's update is `make_train_step`'s step on its rows,
+with `ja.diloco(step's optimizer, outer, sync_every, axis_name=replica_axis,
+...)` as optimizer: the same as the user's own `shard_map` over the replica
+axis with `ja.diloco` and a data-parallel step per replica
+(tests/test_slowlink.py checks it to 1e-12 in float64, and counts the
+collectives that cross the replica axis in the compiled HLO).
+
+Skipped steps (a known gap). The step skips an update whose mean gradient is
+not finite (or whose total weight is 0) and leaves that replica's optimizer
+state, and so its DiLoCo schedule, unchanged. DiLoCo's schedule must agree
+across replicas (a sync is a collective over all of them): a replica that
+skips alone falls one update behind, and its next sync waits for a collective
+the others have already left (on several processes the job hangs; see
+`ja.fail_fast` for the deadline that turns a hang into an exit). On a sync
+update the skipping replica's outer gradient still enters the all-reduce (the
+step computes the update, then selects), so a non-finite one reaches every
+replica's anchor. Feed every replica real, finite rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jaxaccum import _engine, _hlo, lowcomm, train_step
+from jaxaccum.microbatch import leading_size
+
+
+def _head(tree):
+  return jax.tree.map(lambda a: a[0], tree)
+
+
+def _stack(tree):
+  return jax.tree.map(lambda a: a[None], tree)
+
+
+class DiLoCoTrainStep:
+  """The step `diloco_train_step` returns: `init`, then `step(params, opt_state, batch, key=None)`.
+
+  Arguments and results are those of the wrapped step, with a leading replica
+  dimension of size R on parameters, model state, optimizer state and on each
+  metric; the batch keeps its rows (split over the replica axis first).
+  """
+
+  def __init__(self, cfg: _engine.Config, arg_names: tuple[str, ...], replica_axis: str, replicas: int):
+    self._cfg, self._arg_names, self.replica_axis, self.replicas = cfg, arg_names, replica_axis, replicas
+    self.optimizer = cfg.optimizer  # the ja.diloco transform each replica runs
+    mesh, has_state = cfg.mesh, cfg.has_state
+    rep = PartitionSpec(replica_axis)
+
+    def body(*args):
+      params, state, opt_state, batch, key = args if has_state else (args[0], None, *args[1:])
+      if key is not None:  # replicas draw different randomness, as the step's devices do
+        key = jax.random.fold_in(key, lax.axis_index(replica_axis))
+      # The step's own shard_map and placements nested here see the replica axis as manual.
+      inner = cfg._replace(mesh=jax.sharding.get_abstract_mesh())
+      params, state, opt_state, metrics = _engine.step(
+        inner, None, _head(params), None if state is None else _head(state), _head(opt_state), batch, key
+      )
+      out = (params, state, opt_state, metrics) if has_state else (params, opt_state, metrics)
+      return _stack(out)
+
+    def fun(*args):
+      *front, key = args
+      specs = (rep,) * len(front) + (None if key is None else PartitionSpec(),)
+      n_out = 4 if has_state else 3
+      return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(rep,) * n_out, axis_names={replica_axis})(*args)
+
+    donate = tuple(range(3 if has_state else 2)) if cfg.donate else ()
+    self._jitted = jax.jit(fun, donate_argnums=donate)
+
+    def init(params, state=None):
+      opt_state = jax.tree.map(lambda a: a[None], cfg.optimizer.init(_head(params)))
+      return (params, state, opt_state) if has_state else (params, opt_state)
+
+    def start(*trees):
+      return jax.shard_map(init, mesh=mesh, in_specs=rep, out_specs=rep, axis_names={replica_axis})(*trees)
+
+    self._init = jax.jit(start)
+
+  def init(self, params, state=None):
+    """(params, opt_state), or (params, state, opt_state) with has_state: every replica starts from `params`.
+
+    Each leaf gains a leading replica dimension of size R laid out over the
+    replica axis; the optimizer state is `ja.diloco`'s `init` on each replica.
+    """
+    if self._cfg.has_state and state is None:
+      raise TypeError("the step has has_state=True: call init(params, state)")
+    if not self._cfg.has_state and state is not None:
+      raise TypeError("the step has has_state=False: call init(params) (no model state)")
+    sharding = jax.sharding.NamedSharding(self._cfg.mesh, PartitionSpec(self.replica_axis))
+    copies = lambda t: jax.tree.map(
+      lambda a: jax.device_put(jnp.broadcast_to(jnp.asarray(a), (self.replicas, *jnp.shape(a))), sharding), t
+    )
+    trees = (copies(params),) + (() if state is None else (copies(state),))
+    return self._init(*trees)
+
+  def _prepare(self, args, kwargs):
+    names = self._arg_names
+    named = dict(zip(names, args, strict=False)) | kwargs
+    unknown = set(named) - set(names)
+    if unknown or len(args) > len(names):
+      raise TypeError(f"the step takes ({', '.join(names)}), got {len(args)} positional and {sorted(kwargs)}")
+    for name in names[:-1]:
+      if name not in named:
+        raise TypeError(f"the step takes ({', '.join(names)}): {name} is missing")
+    for name in names:
+      if name in ("batch", "key"):
+        continue
+      for path, leaf in jax.tree_util.tree_leaves_with_path(named[name]):
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != self.replicas:
+          raise ValueError(
+            f"{name}{jax.tree_util.keystr(path)} has shape {shape}: every leaf needs a leading replica dimension "
+            f"of size {self.replicas} (the size of mesh axis {self.replica_axis!r}); make them with step.init(...)"
+          )
+    cfg = self._cfg
+    devices = self.replicas * int(np.prod([cfg.mesh.shape[a] for a in cfg.plan.batch_axes]))
+    size = leading_size(named["batch"])
+    if size % (devices * cfg.k):
+      raise ValueError(
+        f"the batch's leading size {size} is not divisible by {self.replicas} replicas times "
+        f"{devices // self.replicas} devices on data axes {cfg.plan.batch_axes} times num_microbatches={cfg.k}"
+      )
+    one = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)), t)
+    train_step._check_opt_state(cfg.optimizer, one(named["params"]), one(named["opt_state"]))
+    return tuple(named.get(n) for n in names)
+
+  def __call__(self, *args, **kwargs):
+    return self._jitted(*self._prepare(args, kwargs))
+
+  def lower(self, *args, **kwargs):
+    return self._jitted.lower(*self._prepare(args, kwargs))
+
+  def crossing_collectives(self, *args, **kwargs) -> list:
+    """The collectives of the compiled step whose device groups span replicas (`jaxaccum._hlo.Collective`s).
+
+    Arguments as for a call. Each runs once per sync of its fragment (`where == "branch"`).
+    """
+    return crossing(self.lower(*args, **kwargs).compile().as_text(), self._cfg.mesh, self.replica_axis)
+
+
+def crossing(hlo_text: str, mesh, replica_axis: str) -> list:
+  """The collectives of `hlo_text` (compiled over `mesh`) whose groups hold devices of two replicas or more."""
+  replica_of = np.moveaxis(
+    np.arange(mesh.devices.size).reshape(mesh.devices.shape), mesh.axis_names.index(replica_axis), 0
+  ).reshape(mesh.shape[replica_axis], -1)
+  index = {int(d): r for r, row in enumerate(replica_of) for d in row}
+  out = []
+  for c in _hlo.collectives(hlo_text, num_devices=mesh.devices.size):
+    spans = c.groups is None or any(len({index[d] for d in g}) > 1 for g in c.groups)
+    if spans:
+      out.append(c)
+  return out
+
+
+def diloco_train_step(
+  step: train_step.TrainStep,
+  outer,
+  sync_every: int,
+  *,
+  replica_axis: str = "replica",
+  comm_dtype: Any = None,
+  fragments: Any = 1,
+  delay: int = 0,
+  alpha: float = 0.0,
+  compress: str | None = None,
+  error_feedback: bool = False,
+) -> DiLoCoTrainStep:
+  """(Streaming) DiLoCo over `replica_axis` of the step's mesh, around a `make_train_step` step.
+
+  Each of the R replicas runs `step` (its strategy over its data axes) on its
+  own rows and parameters, with optimizer
+
+      ja.diloco(inner=step's optimizer, outer, sync_every, axis_name=replica_axis,
+                comm_dtype=..., fragments=..., delay=..., alpha=..., compress=..., error_feedback=...)
+
+  so the only collectives over `replica_axis` are DiLoCo's: for each fragment,
+  once per `sync_every` updates, one all-reduce of its outer gradient (plus a
+  small max-all-reduce of block scales with int8/int4). See `ja.diloco` for
+  the math and every option. MaxText's `build_diloco_train_step(train_step,
+  mesh)` has this shape; the step's mesh is the one used here.
+
+      mesh = jax.make_mesh((2, 4), ("replica", "data"))
+      step = ja.make_train_step(loss_fn, optax.adamw(1e-3), mesh=mesh, data_axis="data", strategy="fsdp")
+      dstep = ja.diloco_train_step(step, optax.sgd(0.7, momentum=0.9, nesterov=True), 32, fragments=4,
+                                   delay=1, alpha=0.5, compress="int4", error_feedback=True)
+      params, opt_state = dstep.init(params)            # leading replica dimension
+      params, opt_state, metrics = dstep(params, opt_state, batch)   # metrics per replica
+
+  The batch's rows are split over `replica_axis` first, then over the step's
+  data axes. A `key` is folded with the replica index. See the module
+  docstring for layouts and for steps that skip an update.
+
+  Args:
+    step: a `ja.make_train_step` step built on a mesh holding `replica_axis`
+      (not one of its data axes); its optimizer is DiLoCo's inner optimizer.
+    outer, sync_every, comm_dtype, fragments, delay, alpha, compress, error_feedback: as for `ja.diloco`.
+    replica_axis: the slow mesh axis the replicas lie on.
+
+  Returns:
+    A `DiLoCoTrainStep`: `init(params[, state])`, then
+    `step(params[, state], opt_state, batch, key=None)`, `.lower(...)`,
+    `.crossing_collectives(...)`.
+
+  Raises:
+    TypeError/ValueError: `step` not a `make_train_step` step or built without
+      a mesh; `replica_axis` not an axis of its mesh or one of its data axes;
+      every `ja.diloco` error.
+  """
+  if not isinstance(step, train_step.TrainStep):
+    raise TypeError(f"step={step!r} must be a step made by ja.make_train_step")
+  cfg = step._cfg
+  if cfg.mesh is None:
+    raise ValueError(
+      "step was built without a mesh: make it with make_train_step(..., mesh=mesh) on a mesh with "
+      f"the replica axis {replica_axis!r} and the data axis"
+    )
+  if not isinstance(replica_axis, str) or replica_axis not in cfg.mesh.axis_names:
+    raise ValueError(f"{replica_axis=} is not an axis of the step's mesh {dict(cfg.mesh.shape)}")
+  if replica_axis in cfg.plan.batch_axes:
+    raise ValueError(
+      f"{replica_axis=} is one of the step's data axes {cfg.plan.batch_axes}: the step would average "
+      "gradients over it every update; build the step with the other axes as data_axis"
+    )
+  tx = lowcomm.diloco(
+    cfg.optimizer,
+    outer,
+    sync_every,
+    axis_name=replica_axis,
+    comm_dtype=comm_dtype,
+    fragments=fragments,
+    delay=delay,
+    alpha=alpha,
+    compress=compress,
+    error_feedback=error_feedback,
+  )
+  return DiLoCoTrainStep(cfg._replace(optimizer=tx), step._arg_names, replica_axis, cfg.mesh.shape[replica_axis])

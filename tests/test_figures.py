@@ -1,0 +1,126 @@
+"""The docs' figures: regions rewritten from the bench's JSON, and the deterministic ones equal to the bench at HEAD."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jaxaccum.bench import figures
+
+RESULT = {
+  "section": "demo",
+  "title": "demo: two tables",
+  "markdown": "Some prose, N = 1.50 MiB.\n\n| case | K | peak (MiB) | ms |\n|---|---:|---:|---:|\n"
+  "| a | 4 | 7.59 | 10.1 |\n| b | 4 | 40.71 | 12.0 |\n\n| x | y |\n|---|---|\n| 1 | 2 |",
+  "header": {"date": "2026-01-02", "backend": "cpu", "machine": "x86_64, 2 cores, Linux", "jax": "0.10.2"},
+}
+
+
+def _results(**changes):
+  r = figures.structured("demo", {**RESULT, **changes})
+  return {r["id"]: r}
+
+
+def test_results_carry_an_id_and_their_tables_as_rows():
+  (rid, r), *_ = _results().items()
+  assert rid == "demo/two-tables"
+  assert r["tables"][0]["columns"] == ["case", "K", "peak (MiB)", "ms"]
+  assert r["tables"][0]["rows"] == [["a", "4", "7.59", "10.1"], ["b", "4", "40.71", "12.0"]]
+  assert r["tables"][1]["rows"] == [["1", "2"]]
+  assert figures.result_id("fsdp", "fsdp: every strategy's per-device peak") == "fsdp/every-strategys-per-device-peak"
+  assert figures.result_id("noise", "noise scale: cost") == "noise/noise-scale-cost"
+
+
+def test_regions_are_rewritten_whole_as_a_table_or_a_cell():
+  page = (
+    "# Page\n<!-- bench:demo/two-tables -->\nstale\n<!-- /bench -->\n"
+    'peak <!-- bench:demo/two-tables row="b;4" col="peak (MiB)" -->9.99<!-- /bench --> MiB\n'
+    '<!-- bench:demo/two-tables cols="case;peak (MiB)" rows="b" -->\n<!-- /bench -->\n'
+    "<!-- bench:demo/two-tables table=2 --><!-- /bench -->\n<!-- bench:other/thing -->keep<!-- /bench -->\n"
+  )
+  new, changed = figures.rewrite(page, _results(), "page.md")
+  assert len(changed) == 4
+  assert "Some prose, N = 1.50 MiB." in new and "stale" not in new
+  assert "peak <!-- bench:demo/two-tables" in new and "-->40.71<!-- /bench --> MiB" in new
+  assert "| case | peak (MiB) |\n|---|---:|\n| b | 40.71 |\n" in new
+  assert "| x | y |\n|---|---|\n| 1 | 2 |\n" in new
+  assert "2026-01-02" in new and "x86_64, 2 cores" in new  # the run each table comes from
+  assert "<!-- bench:other/thing -->keep<!-- /bench -->" in new  # no such result: left alone
+  again, changed = figures.rewrite(new, _results(), "page.md")
+  assert again == new and changed == []  # idempotent: a second run changes nothing
+
+
+def test_bad_region_options_are_refused_by_name():
+  with pytest.raises(ValueError, match="option"):
+    figures.rewrite("<!-- bench:demo/two-tables colour=red --><!-- /bench -->", _results())
+  with pytest.raises(KeyError, match="nope"):
+    figures.rewrite('<!-- bench:demo/two-tables cols="nope" --><!-- /bench -->', _results())
+  with pytest.raises(KeyError, match="rows start"):
+    figures.rewrite('<!-- bench:demo/two-tables row="c" col="K" --><!-- /bench -->', _results())
+
+
+def test_check_and_update_on_pages_and_notebooks(tmp_path):
+  (tmp_path / "docs" / "guides").mkdir(parents=True)
+  (tmp_path / "notebooks").mkdir()
+  (tmp_path / "README.md").write_text("<!-- bench:demo/two-tables table=2 -->\n<!-- /bench -->\n")
+  (tmp_path / "docs" / "guides" / "g.md").write_text("nothing marked, 7.59 MiB\n")
+  cell = {"cell_type": "markdown", "id": "a", "metadata": {}, "source": ["x <!-- bench:demo/two-tables "]}
+  cell["source"].append('row="a" col="ms" -->?<!-- /bench -->')
+  nb = {"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+  (tmp_path / "notebooks" / "n.ipynb").write_text(json.dumps(nb, indent=1) + "\n")
+  results = _results()
+  assert len(figures.update(results, tmp_path, write=False)) == 2  # --check: both stale, nothing written
+  assert "?" in (tmp_path / "notebooks" / "n.ipynb").read_text()
+  figures.update(results, tmp_path)
+  assert figures.update(results, tmp_path, write=False) == []
+  source = "".join(json.loads((tmp_path / "notebooks" / "n.ipynb").read_text())["cells"][0]["source"])
+  assert source == 'x <!-- bench:demo/two-tables row="a" col="ms" -->10.1<!-- /bench -->'
+  assert figures.unknown_regions(results, tmp_path) == []
+  assert figures.unknown_regions({}, tmp_path) == ["README.md: demo/two-tables", "notebooks/n.ipynb: demo/two-tables"]
+
+
+def test_a_region_that_disagrees_with_a_fresh_result_is_reported():
+  page = '<!-- bench:demo/two-tables cols="case;peak (MiB);ms" -->\n<!-- /bench -->'
+  page, _ = figures.rewrite(page, _results())
+  match = next(figures.regions(page))
+  fresh = _results()["demo/two-tables"]
+  assert figures._compare(match, fresh, ("peak (MiB)",), "p") == []
+  slower = figures.structured("demo", {**RESULT, "markdown": RESULT["markdown"].replace("10.1", "11.3")})
+  assert figures._compare(match, slower, ("peak (MiB)",), "p") == []  # a timing: not compared
+  leaner = figures.structured("demo", {**RESULT, "markdown": RESULT["markdown"].replace("40.71", "38.00")})
+  (diff,) = figures._compare(match, leaner, ("peak (MiB)",), "p")
+  assert "40.71" in diff and "38.00" in diff
+
+
+def test_every_page_matches_the_store():
+  """`python -m jaxaccum.bench.figures --check`: no page prints a figure other than the stored run's."""
+  results = figures.load(figures.ROOT / figures.STORE)
+  assert figures.unknown_regions(results) == []
+  assert figures.update(results, write=False) == []
+  marked = [p for p in figures.pages() if "<!-- bench:" in p.read_text()]
+  for path in marked:  # a `|` in a marker would split the markdown table row it sits in
+    assert all("|" not in m.group("opts") for m in figures.regions(path.read_text())), path
+  assert pathlib.Path(figures.ROOT / "docs" / "benchmarks.md") in marked
+
+
+def _verify(level):
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxaccum.bench.figures", "--verify", level],
+    capture_output=True,
+    text=True,
+    timeout=3600,
+  )
+  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def test_deterministic_figures_equal_the_bench_at_head():
+  """The small deterministic tables (state bytes, all-reduces per update, own-jit collectives), recomputed."""
+  _verify("fast")
+
+
+@pytest.mark.slow
+def test_every_deterministic_figure_equals_the_bench_at_head():
+  """Every compiled-memory, collective-count and HLO-bytes table (fsdp, sharded, microbatch memory, ...)."""
+  _verify("full")

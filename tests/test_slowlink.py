@@ -1,0 +1,175 @@
+"""diloco_train_step: DiLoCo over a "replica" mesh axis around make_train_step, against shard_map + ja.diloco."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import mlp_init, mse_loss, regression_data
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum as ja
+from jaxaccum import _hlo
+
+REPLICAS, DATA = 2, 4
+
+
+def _mesh(explicit=True):
+  kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  return jax.make_mesh((REPLICAS, DATA), ("replica", "data"), axis_types=(kind, kind))
+
+
+def _setup(rows=16):
+  params = mlp_init(jax.random.PRNGKey(3), (3, 24, 4))  # w0, w1 span two 64-element blocks each
+  x, y = regression_data(jax.random.PRNGKey(4), rows * REPLICAS, d_out=4)
+  return params, (x, y)
+
+
+def _reference(tx, params, batch, steps):
+  """The user's own shard_map over 2 replicas with ja.diloco; each replica's data step written plainly."""
+  mesh = Mesh(np.array(jax.devices()[:REPLICAS]), ("r",))
+  head = lambda t: jax.tree.map(lambda a: a[0], t)
+  stack = lambda t: jax.tree.map(lambda a: a[None], t)
+
+  def body(params, state, batch):
+    params, state = head(params), head(state)
+    grads = jax.grad(mse_loss)(params, batch)  # the mean over this replica's rows: its data step
+    updates, state = tx.update(grads, state, params)
+    return stack(optax.apply_updates(params, updates)), stack(state)
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("r"), out_specs=P("r")))
+  rep = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (REPLICAS, *a.shape)), t)
+  p, s, out = rep(params), rep(tx.init(params)), []
+  for _ in range(steps):
+    p, s = fn(p, s, batch)
+    out.append((p, s))
+  return out
+
+
+_CASES = {
+  # name: (strategy, num_microbatches, diloco options); zero1 on Auto mesh axes, the others on Explicit ones
+  "ddp-plain": ("ddp", 2, dict(sync_every=2)),
+  "ddp-streaming-int8-ef": (
+    "ddp",
+    1,
+    dict(sync_every=4, fragments=2, delay=1, alpha=0.5, compress="int8", error_feedback=True),
+  ),
+  "fsdp-streaming-int8-ef": (
+    "fsdp",
+    1,
+    dict(sync_every=4, fragments=2, delay=1, alpha=0.5, compress="int8", error_feedback=True),
+  ),
+  "zero1-streaming-int4": ("zero1", 2, dict(sync_every=4, fragments=2, delay=0, alpha=0.25, compress="int4")),
+}
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_equals_shard_map_with_diloco(name):
+  strategy, k, opts = _CASES[name]
+  params, batch = _setup()
+  outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  inner = optax.adam(0.05)
+  mesh = _mesh(explicit=strategy != "zero1")
+  step = ja.make_train_step(mse_loss, inner, mesh=mesh, strategy=strategy, num_microbatches=k, donate=False)
+  dstep = ja.diloco_train_step(step, outer, **opts)
+  sync_every = opts.pop("sync_every")
+  tx = ja.diloco(inner, outer, sync_every, axis_name="r", **opts)
+  steps = 2 * sync_every + 1
+  want = _reference(tx, params, (batch[0].reshape(REPLICAS, -1, 3), batch[1].reshape(REPLICAS, -1, 4)), steps)
+  p, s = dstep.init(params)
+  for t in range(steps):
+    p, s, metrics = dstep(p, s, batch)
+    assert metrics["loss"].shape == (REPLICAS,) and bool(np.all(metrics["applied"]))
+    chex_close(p, want[t][0])
+  chex_close(s.anchor, want[-1][1].anchor)
+  chex_close(s.inner_state, want[-1][1].inner_state)
+  if opts.get("error_feedback"):
+    chex_close(s.residual, want[-1][1].residual)
+  assert int(np.asarray(s.sync_count)[0]) == int(np.asarray(want[-1][1].sync_count)[0]) > 0
+
+
+def chex_close(a, b):
+  import chex
+
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+  "opts,want",
+  [
+    # one all-reduce of the whole outer gradient per sync
+    (dict(), {("all-reduce", "branch"): 1}),
+    # per fragment: one max-all-reduce of the block scales and one of the int8 codes (summed in int8)
+    (dict(fragments=2, delay=1, alpha=0.5, compress="int4", error_feedback=True), {("all-reduce", "branch"): 4}),
+  ],
+)
+def test_only_diloco_collectives_cross_the_replica_axis(opts, want):
+  """Compiled HLO: every collective whose device groups hold two replicas sits in a sync branch.
+
+  ddp's gradient all-reduce stays within each replica's data axis (it runs every update).
+  """
+  params, batch = _setup()
+  mesh = _mesh()
+  step = ja.make_train_step(mse_loss, optax.sgd(0.1), mesh=mesh, strategy="ddp", donate=False)
+  dstep = ja.diloco_train_step(step, optax.sgd(0.7, momentum=0.9, nesterov=True), 4, **opts)
+  p, s = dstep.init(params)
+  text = dstep.lower(p, s, batch).compile().as_text()
+  found = ja.slowlink.crossing(text, mesh, "replica")
+  counts = {}
+  for c in found:
+    counts[c.opcode, c.where] = counts.get((c.opcode, c.where), 0) + 1
+  assert counts == want, found
+  replica_groups = _hlo.mesh_groups((REPLICAS, DATA), ("replica", "data"), "replica")
+  assert all(c.groups == replica_groups for c in found), found
+  # ... and the data-parallel all-reduce is there, within replicas, on every update.
+  data_groups = _hlo.mesh_groups((REPLICAS, DATA), ("replica", "data"), "data")
+  inside = [c for c in _hlo.collectives(text, num_devices=REPLICAS * DATA) if c.groups == data_groups]
+  assert any(c.opcode == "all-reduce" and c.where == "top" for c in inside), inside
+  assert dstep.crossing_collectives(p, s, batch) == found
+
+
+def test_bad_input_names_the_argument():
+  params, batch = _setup()
+  mesh = _mesh()
+  step = ja.make_train_step(mse_loss, optax.sgd(0.1), mesh=mesh, donate=False)
+  outer = optax.sgd(0.7)
+  with pytest.raises(TypeError, match="make_train_step"):
+    ja.diloco_train_step(lambda p, o, b: None, outer, 2)
+  with pytest.raises(ValueError, match="replica_axis='pods'"):
+    ja.diloco_train_step(step, outer, 2, replica_axis="pods")
+  with pytest.raises(ValueError, match="replica_axis='data'"):
+    ja.diloco_train_step(step, outer, 2, replica_axis="data")
+  with pytest.raises(ValueError, match="without a mesh"):
+    ja.diloco_train_step(ja.make_train_step(mse_loss, optax.sgd(0.1)), outer, 2)
+  with pytest.raises(ValueError, match="delay"):
+    ja.diloco_train_step(step, outer, 4, fragments=2, delay=2)
+  dstep = ja.diloco_train_step(step, outer, 2)
+  p, s = dstep.init(params)
+  with pytest.raises(ValueError, match=r"params\[0\]\['b'\] has shape \(24,\)"):
+    dstep(params, s, batch)
+  with pytest.raises(ValueError, match="not divisible by 2 replicas times 4 devices"):
+    dstep(p, s, jax.tree.map(lambda a: a[:12], batch))
+
+
+def test_model_state_and_key_per_replica():
+  """Model state goes through per replica; a key is folded with the replica index (replicas draw differently)."""
+  params, batch = _setup()
+  same_rows = jax.tree.map(lambda a: jnp.concatenate([a[:16], a[:16]]), batch)  # both replicas see the same rows
+
+  def loss_fn(params, state, batch, key):
+    noise = jax.random.normal(key, (2,), params[0]["b"].dtype)
+    loss = mse_loss(params, batch) + noise[0] * jnp.sum(params[0]["b"])
+    return loss, {"count": state["count"] + 1, "mean": state["mean"]}
+
+  step = ja.make_train_step(loss_fn, optax.sgd(0.1), mesh=_mesh(), has_state=True, donate=False)
+  dstep = ja.diloco_train_step(step, optax.sgd(0.7), 8)
+  state = {"count": jnp.zeros((), jnp.int32), "mean": jnp.zeros(())}
+  p, st, s = dstep.init(params, state)
+  for _ in range(3):
+    p, st, s, metrics = dstep(p, st, s, same_rows, jax.random.key(0))
+  np.testing.assert_array_equal(np.asarray(st["count"]), [3, 3])
+  b = np.asarray(p[0]["b"])
+  assert not np.allclose(b[0], b[1]), "the replicas drew the same key"
+  with pytest.raises(TypeError, match="init\\(params, state\\)"):
+    dstep.init(params)
