@@ -51,16 +51,8 @@ from jax.sharding import PartitionSpec
 from jaxaccum import _per_device, _tree, parallel, sharded
 from jaxaccum import noise as _noise
 from jaxaccum._layerwise import layerwise
-from jaxaccum.microbatch import (
-  _leaf_reductions,
-  _weight_ok,
-  _weighted,
-  check_prefix,
-  finish,
-  local_sums,
-  split,
-  weights,
-)
+from jaxaccum._split import split, weights
+from jaxaccum._sums import _leaf_reductions, _weight_ok, _weighted, check_prefix, finish, local_sums
 
 
 class Config(NamedTuple):

@@ -39,10 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _tree, _unreduced, noise, parallel
+from jaxaccum import _tree, _unreduced, _window, noise, parallel
 
 EveryK = int | Callable[[jax.Array], Any]
 
@@ -94,24 +92,16 @@ def _check_every_k(every_k: EveryK, noise_scale_ema) -> EveryK:
     # Probe with what `update` passes (an int32 array), so array-only schedules work.
     k0 = every_k(jnp.zeros([], jnp.int32))
     if _tree.is_concrete(k0):
-      _check_k_value(k0, "every_k(0)")
+      _window.check_k_value(k0, "every_k(0)")
     return every_k
   return _tree.check_positive_int(every_k, "every_k")
-
-
-def _check_k_value(k, what: str) -> None:
-  value = np.asarray(k)
-  if value.ndim != 0 or not np.issubdtype(value.dtype, np.integer) or value.dtype == np.bool_:
-    raise TypeError(f"{what}={k!r} must be an integer >= 1 (a scalar int)")
-  if int(value) < 1:
-    raise ValueError(f"{what}={int(value)} must be an integer >= 1")
 
 
 def _check_weight(weight):
   """Validates `weight` as far as it has a value now; returns it as an array or None.
 
   A concrete weight that is NaN, Inf or negative raises; a traced one cannot,
-  and `step` drops its microbatch instead. Zero is a valid weight (a
+  and `_window.step` drops its microbatch instead. Zero is a valid weight (a
   microbatch of padding only): it adds nothing.
   """
   if weight is None:
@@ -136,139 +126,6 @@ def _check_weight(weight):
     if not np.isfinite(value) or value < 0:
       raise ValueError(f"weight={value!r} must be finite and >= 0 (a weight of 0 adds nothing)")
   return weight
-
-
-def _which_count(grads, weight, acc_grads, acc_weight, skip_nonfinite: bool):
-  """Weight checks: which microbatch counts. Returns (keep, dropped), boolean scalars or None.
-
-  weight == 0: a normal microbatch that adds nothing (even a NaN gradient:
-  selected, never multiplied by 0). An invalid traced weight (NaN, Inf, < 0):
-  dropped and counted. With skip_nonfinite, a NaN/Inf gradient of weight > 0:
-  dropped and counted. `keep` is None where every microbatch counts by
-  construction, `dropped` None where none can be dropped.
-  """
-  keep = dropped = None
-  acc_dtypes = sorted({x.dtype for x in jax.tree.leaves(acc_grads)} | {acc_weight.dtype}, key=str)
-  if weight is not None:
-    # Checked in every dtype the weight is cast to: 7e4 is finite in int32 but Inf in a float16 accumulator.
-    valid = (weight >= 0) & jnp.all(jnp.stack([jnp.isfinite(weight.astype(d)) for d in acc_dtypes]))
-    keep, dropped = valid & (weight > 0), jnp.logical_not(valid)
-  if skip_nonfinite:
-    # What would be added, w g in the accumulator's dtype: an overflow of the product counts as non-finite.
-    if weight is None:
-      finite = _tree.all_finite(jax.tree.map(lambda acc, g: g.astype(acc.dtype), acc_grads, grads))
-    else:
-      finite = _tree.all_finite(
-        jax.tree.map(lambda acc, g: g.astype(acc.dtype) * weight.astype(acc.dtype), acc_grads, grads)
-      )
-    bad_grads = jnp.logical_not(finite) if keep is None else keep & jnp.logical_not(finite)
-    keep = finite if keep is None else keep & finite
-    dropped = bad_grads if dropped is None else dropped | bad_grads
-  return keep, dropped
-
-
-def _add(acc_grads, acc_weight, grads, weight, keep, new_window, scale=None):
-  """The micro-step: one fused pass per leaf, acc <- (new window ? 0 : acc) + (keep ? w g : 0).
-
-  The accumulator is reset lazily, on the first add of the next window,
-  rather than zeroed at the window's end: that keeps the add outside the
-  cond and in place in a donated buffer (XLA copies values that pass
-  through a branch, and operands a branch shares with an in-place write).
-  Returns (acc_grads, acc_weight, w), w this microbatch's counted weight.
-  `scale(g, w)` multiplies a gradient by the weight (unreduced gradients need
-  the weight cast to reduced first, see `_unreduced.scale`).
-  """
-
-  def add_leaf(acc, g):
-    g = g.astype(acc.dtype)
-    if weight is not None:
-      g = g * weight.astype(acc.dtype) if scale is None else scale(g, weight)
-    if keep is not None:
-      g = jnp.where(keep, g, jnp.zeros_like(g))  # NaN * 0 is NaN: select, don't scale.
-    return jnp.where(new_window, jnp.zeros_like(acc), acc) + g
-
-  new_acc = jax.tree.map(add_leaf, acc_grads, grads)
-  w = jnp.ones([], acc_weight.dtype) if weight is None else weight.astype(acc_weight.dtype)
-  if keep is not None:
-    w = jnp.where(keep, w, jnp.zeros_like(w))
-  new_weight = jnp.where(new_window, jnp.zeros_like(w), acc_weight) + w
-  return new_acc, new_weight, w
-
-
-def _sum_over_shards(sq_by_leaf, leaves, dtype, axis_name):
-  """sum of per-leaf squared norms, each leaf's partial norm summed over the manual axes it is sharded on.
-
-  Inside a `jax.shard_map` manual over (data, model), a tensor-parallel leaf's
-  gradient is varying over "model": its squared norm on one device covers only
-  its model shard, and the shards' must be added (a scalar psum over "model"). A
-  leaf invariant over "model" is whole on every device and must not be added
-  twice. Leaves are grouped by the extra axes (besides `axis_name`, whose sum
-  the window end does) and each group's scalar is psummed once. Without such
-  leaves this is the plain sum in leaf order (bit for bit as before).
-  """
-  own = set(_unreduced.names(axis_name)) if axis_name is not None else set()
-  groups: dict[tuple, Any] = {}
-  for sq, leaf in zip(sq_by_leaf, leaves, strict=True):
-    extra = tuple(sorted((parallel._varying_axes(leaf) or frozenset()) - own))  # noqa: SLF001
-    groups[extra] = (groups[extra] if extra in groups else jnp.zeros([], dtype)) + sq
-  total = groups.pop((), jnp.zeros([], dtype))
-  for extra, sq in groups.items():
-    total = total + lax.psum(sq, extra)
-  return total
-
-
-def _noise_micro_step(stats, acc_grads, grads, w, new_window, axis_name=None, sample=None):
-  """Noise statistics of one microbatch: sum_i w_i |g_i|^2 and K, per device, reset lazily like acc_weight.
-
-  The squared norm reads the same cast gradient as the add; XLA:CPU does not
-  fuse the two (a second read of the gradient: +16% per window at 8-row
-  microbatches, +2-3% at 128 rows; a dot instead of sum(g*g) is no faster).
-  With `sample=m` only the window's first m microbatches of weight > 0 on this
-  device are measured, under a `lax.cond`: the others skip the read.
-  """
-  leaves = jax.tree.leaves(grads)
-
-  def leaf_sqs(leaves):
-    return [
-      jnp.sum(g.astype(acc.dtype) * g.astype(acc.dtype)).astype(w.dtype)
-      for acc, g in zip(jax.tree.leaves(acc_grads), leaves, strict=True)
-    ]
-
-  count = jnp.where(new_window, jnp.zeros_like(stats.acc_count), stats.acc_count)
-  counted = w > 0
-  if sample is None:
-    sqs = leaf_sqs(leaves)
-  else:
-    counted = counted & (count < sample)
-    # The psum over tensor-parallel shards stays outside the cond (scalars: 0 where not measured).
-    sqs = lax.cond(counted, leaf_sqs, lambda leaves: [jnp.zeros([], w.dtype) for _ in leaves], leaves)
-  sq = _sum_over_shards(sqs, leaves, w.dtype, axis_name)
-  sq = jnp.where(counted, w * sq, jnp.zeros_like(sq))  # a NaN gradient of weight 0: selected out.
-  stats = stats._replace(
-    acc_sq=jnp.where(new_window, jnp.zeros_like(sq), stats.acc_sq) + sq,
-    acc_count=count + counted.astype(stats.acc_count.dtype),
-  )
-  if sample is not None:
-    sampled = jnp.where(new_window, jnp.zeros_like(stats.acc_sampled_weight), stats.acc_sampled_weight)
-    stats = stats._replace(acc_sampled_weight=sampled + jnp.where(counted, w, jnp.zeros_like(w)))
-  return stats
-
-
-def _noise_window_end(stats, mean, acc_weight, window_sq, window_count, ema_decay: float, axis_name=None):
-  """The window's noise estimates from its (all-reduced) sums, folded into the EMAs.
-
-  |g|^2 of the window's mean comes from the all-reduced sum: the same on every device.
-  Sampled (`window_sq` a pair: sum_S w |g|^2 and B_S), the sampled estimator.
-  """
-  leaves = jax.tree.leaves(mean)
-  dtype = acc_weight.dtype
-  mean_sq = _sum_over_shards([jnp.sum(jnp.square(x.astype(dtype))) for x in leaves], leaves, dtype, axis_name)
-  if isinstance(window_sq, tuple):
-    sq, sampled_weight = window_sq
-    grad_sq, trace_cov, valid = noise.sampled_window_estimates(sq, sampled_weight, window_count, acc_weight, mean_sq)
-  else:
-    grad_sq, trace_cov, valid = noise.window_estimates(window_sq, acc_weight, mean_sq, window_count)
-  return noise.update_state(stats, grad_sq, trace_cov, valid, ema_decay)
 
 
 def accumulate(
@@ -421,14 +278,62 @@ def accumulate(
   checked is the weighted gradient in the accumulator's dtype, so an overflow
   of w g is dropped too.
   """
+  cfg = _config(
+    inner,
+    every_k,
+    axis_name,
+    accumulator_dtype,
+    comm_dtype,
+    skip_nonfinite,
+    noise_scale_ema,
+    noise_scale_sample,
+    dropped_use_slot,
+  )
+
+  def init(params):
+    return _init(cfg, params)
+
+  def update(grads, state, params=None, *, weight=None, **extra_args):
+    return _entry(cfg, grads, state, params, weight, extra_args, apply=False)
+
+  def apply_gradients(grads, state, params, *, weight=None, **extra_args):
+    """`update` followed by `optax.apply_updates`, fused: returns (new params, state).
+
+    On a micro-step the parameters pass through the untaken branch (with
+    donation: not read, not written), so a micro-step costs only the add into
+    the accumulator. `ja.flax` uses this; it is reached as
+    `tx.update.apply_gradients` because an optax transformation is a plain
+    (init, update) pair with no room for a third function.
+    """
+    if params is None:
+      raise ValueError("apply_gradients needs params")
+    return _entry(cfg, grads, state, params, weight, extra_args, apply=True)
+
+  # Tagged with its own `update`: a wrapper made with functools.wraps copies the
+  # attribute, and must not have its own update bypassed (see `ja.flax`).
+  setattr(apply_gradients, "update", update)  # noqa: B010  (function attributes: setattr keeps mypy quiet)
+  setattr(update, "apply_gradients", apply_gradients)  # noqa: B010
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _config(
+  inner,
+  every_k,
+  axis_name,
+  accumulator_dtype,
+  comm_dtype,
+  skip_nonfinite,
+  noise_scale_ema,
+  noise_scale_sample,
+  dropped_use_slot,
+) -> _window.Config:
+  """`accumulate`'s arguments, checked (a TypeError/ValueError naming the argument), as a `_window.Config`."""
   inner = _tree.check_optimizer(inner, "inner")
   if noise_scale_ema is not None:
     noise_scale_ema = noise.check_decay(noise_scale_ema)
-  tracking = noise_scale_ema is not None
   sample = noise.check_sample(noise_scale_sample, noise_scale_ema)
-  ema_decay = 0.0 if noise_scale_ema is None else noise_scale_ema
   every_k = _check_every_k(every_k, noise_scale_ema)
-  if tracking and every_k == 1 and axis_name is None:
+  if noise_scale_ema is not None and every_k == 1 and axis_name is None:
     # A window of one microbatch on one device has no spread to measure: NaN forever.
     raise ValueError(
       f"{noise_scale_ema=} with every_k=1 and no axis_name can never measure the noise scale (it needs at "
@@ -455,353 +360,140 @@ def accumulate(
     raise TypeError(f"{skip_nonfinite=} must be a bool")
   if not isinstance(dropped_use_slot, bool):
     raise TypeError(f"{dropped_use_slot=} must be a bool")
-  inner = optax.with_extra_args_support(inner)
+  return _window.Config(
+    inner=optax.with_extra_args_support(inner),
+    every_k=every_k,
+    axis_name=axis_name,
+    accumulator_dtype=accumulator_dtype,
+    comm_dtype=comm_dtype,
+    skip_nonfinite=skip_nonfinite,
+    dropped_use_slot=dropped_use_slot,
+    noise_scale_ema=noise_scale_ema,
+    sample=sample,
+  )
 
-  def explicit_mode(tree) -> Any:
-    """The Explicit mesh when `axis_name` means "unreduced in the user's own jit" (see `_unreduced`), else None.
 
-    That is: the axis is not bound (no pmap/shard_map around us) and the mesh of
-    the context or of `tree` has it as its one Explicit axis. Anything else
-    keeps the pmap/shard_map meaning, so a shard_map user's init is unchanged.
-    """
-    if axis_name is None or _unreduced.is_bound(axis_name):
-      return None
-    mesh = _unreduced.mesh_of(tree)
-    return mesh if _unreduced.usable(mesh, axis_name) else None
+def _explicit_mode(cfg: _window.Config, tree) -> Any:
+  """The Explicit mesh when `axis_name` means "unreduced in the user's own jit" (see `_unreduced`), else None.
 
-  def init(params):
-    mesh = explicit_mode(params)
-    if mesh is not None:
-      # Each device's partial sum, across calls: typed {U:axis}, no collective until the window end.
-      # Under the params' own mesh, so that placing them is enough (no jax.set_mesh needed).
-      with _unreduced.mesh_context(params):
-        acc_grads = jax.tree.map(
-          lambda p: _unreduced.zeros(
-            jnp.shape(p), _tree.accumulator_dtype(_tree.dtype_of(p), accumulator_dtype), mesh, axis_name
-          ),
-          params,
-        )
-    else:
-      # zeros_like, not zeros(shape): the accumulator takes each parameter's
-      # sharding (eager, and inside jit where it is known, e.g. Explicit axes).
+  That is: the axis is not bound (no pmap/shard_map around us) and the mesh of
+  the context or of `tree` has it as its one Explicit axis. Anything else
+  keeps the pmap/shard_map meaning, so a shard_map user's init is unchanged.
+  """
+  axis_name = cfg.axis_name
+  if axis_name is None or _unreduced.is_bound(axis_name):
+    return None
+  mesh = _unreduced.mesh_of(tree)
+  return mesh if _unreduced.usable(mesh, axis_name) else None
+
+
+def _init(cfg: _window.Config, params) -> AccumulateState:
+  mesh = _explicit_mode(cfg, params)
+  if mesh is not None:
+    # Each device's partial sum, across calls: typed {U:axis}, no collective until the window end.
+    # Under the params' own mesh, so that placing them is enough (no jax.set_mesh needed).
+    with _unreduced.mesh_context(params):
       acc_grads = jax.tree.map(
-        lambda p: jnp.zeros_like(p, dtype=_tree.accumulator_dtype(_tree.dtype_of(p), accumulator_dtype)), params
-      )
-    weight_dtype = _tree.widest(x.dtype for x in jax.tree.leaves(acc_grads))
-    return AccumulateState(
-      micro_step=jnp.zeros([], jnp.int32) if mesh is None else _unreduced.zero_on(params),
-      update_count=jnp.zeros([], jnp.int32),
-      acc_grads=acc_grads,
-      acc_weight=jnp.zeros([], weight_dtype),
-      inner_state=inner.init(params),
-      num_skipped=jnp.zeros([], jnp.int32),
-      num_empty_windows=jnp.zeros([], jnp.int32),
-      updated=jnp.zeros([], jnp.bool_),
-      noise_stats=noise.init_state(weight_dtype, sampled=sample is not None) if tracking else None,
-    )
-
-  def window_length(state):
-    update_count = state.update_count
-    if isinstance(every_k, noise.NoiseScaleEveryK):
-      # The averages change only at window ends, so k does too.
-      return every_k(noise.noise_scale(state.noise_stats))
-    if not callable(every_k):
-      return every_k
-    k = every_k(update_count)
-    if _tree.is_concrete(k):
-      # A schedule may return a constant while the count is traced (under jit).
-      at = int(update_count) if _tree.is_concrete(update_count) else "update_count"
-      _check_k_value(k, f"every_k({at})")
-    return jnp.maximum(jnp.asarray(k, jnp.int32), 1)
-
-  def check_state(state, grads):
-    expected = _expected_inner_state(grads)
-    if not isinstance(state, AccumulateState):
-      holding = "" if expected is None else f", holding inner's {_tree.describe(expected)}"
-      hint = ""
-      if expected is not None and _same_structure(state, expected):
-        hint = ": that is the state of `inner` itself; pass the state from this accumulate's init(params)"
-      raise TypeError(
-        f"state must be an AccumulateState (made by this accumulate's init(params){holding}), "
-        f"got {_tree.describe(state)}{hint}"
-      )
-    if expected is not None and not _same_structure(state.inner_state, expected):
-      raise TypeError(
-        f"state.inner_state does not match inner: inner.init gives {_tree.describe(expected)}, the state "
-        f"holds {_tree.describe(state.inner_state)} (a state made by another optimizer's init? pass the "
-        f"state from this accumulate's init(params))"
-      )
-
-  def _expected_inner_state(grads):
-    """The shape of `inner.init`'s state (trace time only), or None when it cannot be traced here."""
-    try:
-      return jax.eval_shape(inner.init, grads)
-    except Exception:  # noqa: BLE001 -- a diagnostic only: no verdict rather than a wrong one.
-      return None
-
-  def noise_args(stats, batch_weight):
-    """The extra arguments `inner` gets when the noise scale is measured (`ja.adascale` reads them)."""
-    if not tracking:
-      return {}
-    return {"noise_scale": noise.noise_scale(stats), "batch_weight": batch_weight}
-
-  def step(grads, state, params, weight, extra_args, apply: bool):
-    """One microbatch. Returns (updates, state), or (new params, state) when `apply`.
-
-    With `apply` the window end applies the update to `params` inside the same
-    branch that runs `inner`, and a micro-step passes `params` through: no
-    params-sized zero updates are materialised and nothing is written to the
-    parameters (see `apply_gradients`).
-    """
-    _tree.check_same_structure(grads, getattr(state, "acc_grads", grads), "grads", "the accumulator state.acc_grads")
-    grads = jax.tree.map(jnp.asarray, grads)  # optax accepts Python scalars as leaves
-    check_state(state, grads)
-    if apply:
-      _tree.check_same_structure(params, state.acc_grads, "params", "the accumulator state.acc_grads")
-    weight = _check_weight(weight)
-    unreduced = False
-    if axis_name is not None:
-      if _unreduced.is_bound(axis_name):
-        parallel.check_varying(grads, axis_name)
-      else:
-        # Not under pmap/shard_map: the user's own jit on an Explicit mesh, or a clear error.
-        _unreduced.explicit_mesh(axis_name, grads, what="ja.accumulate")
-        check_explicit(grads, state)
-        unreduced = True
-
-    keep, dropped = _which_count(grads, weight, state.acc_grads, state.acc_weight, skip_nonfinite)
-    num_skipped = state.num_skipped
-    if dropped is not None:
-      num_skipped = num_skipped + dropped.astype(jnp.int32)
-    new_window = state.micro_step == 0
-    scale = (lambda g, w: _unreduced.scale(g, w, axis_name)) if unreduced else None
-    acc_grads, acc_weight, w = _add(state.acc_grads, state.acc_weight, grads, weight, keep, new_window, scale)
-    stats = state.noise_stats
-    if tracking:
-      stats = _noise_micro_step(stats, state.acc_grads, grads, w, new_window, axis_name, sample)
-
-    k = window_length(state)
-    # Without dropped_use_slot, a dropped microbatch does not advance the window
-    # (optax.MultiSteps' should_skip_update_fn): even k = 1 then needs the cond.
-    slot_may_be_kept = not dropped_use_slot and dropped is not None
-    single = isinstance(k, int) and k == 1 and not slot_may_be_kept
-    # A window can end empty (total weight 0) only if some microbatch may not count;
-    # a window-end call that counts by construction (weight 1) makes it non-empty.
-    may_be_empty = keep is not None
-    # Where the window's mean lands: each parameter's own sharding (a leaf sharded
-    # over the axis is reduce-scattered), replicated when no params are given.
-    targets = None
-    if unreduced:
-      if params is None:
-        targets = jax.tree.map(lambda _: P(), grads)
-      else:
-        targets = jax.tree.map(lambda g, p: _unreduced.target_spec(p), grads, params)
-    update_shapes = None
-    if not apply and (may_be_empty or not single):
-      # The dtypes (and shardings) `inner` gives its updates (trace time only),
-      # so that the zero updates of a call that applies nothing have the same ones.
-      def reduced_like(g, t):
-        return jax.reshard(g, t) if unreduced else g
-
-      update_shapes = jax.eval_shape(
-        lambda g, s, p, ns: inner.update(
-          jax.tree.map(reduced_like, g, targets if unreduced else g), s, p, **extra_args, **noise_args(ns, acc_weight)
-        )[0],
-        grads,
-        state.inner_state,
+        lambda p: _unreduced.zeros(
+          jnp.shape(p), _tree.accumulator_dtype(_tree.dtype_of(p), cfg.accumulator_dtype), mesh, cfg.axis_name
+        ),
         params,
-        stats,
       )
-    emit, hold = _window_end(grads, extra_args, apply, single, may_be_empty, update_shapes, targets)
+  else:
+    # zeros_like, not zeros(shape): the accumulator takes each parameter's
+    # sharding (eager, and inside jit where it is known, e.g. Explicit axes).
+    acc_grads = jax.tree.map(
+      lambda p: jnp.zeros_like(p, dtype=_tree.accumulator_dtype(_tree.dtype_of(p), cfg.accumulator_dtype)), params
+    )
+  weight_dtype = _tree.widest(x.dtype for x in jax.tree.leaves(acc_grads))
+  return AccumulateState(
+    micro_step=jnp.zeros([], jnp.int32) if mesh is None else _unreduced.zero_on(params),
+    update_count=jnp.zeros([], jnp.int32),
+    acc_grads=acc_grads,
+    acc_weight=jnp.zeros([], weight_dtype),
+    inner_state=cfg.inner.init(params),
+    num_skipped=jnp.zeros([], jnp.int32),
+    num_empty_windows=jnp.zeros([], jnp.int32),
+    updated=jnp.zeros([], jnp.bool_),
+    noise_stats=noise.init_state(weight_dtype, sampled=cfg.sample is not None) if cfg.tracking else None,
+  )
 
-    operands = (acc_grads, acc_weight, state.inner_state, params, stats)
-    if single:
-      out, inner_state, updated, stats = emit(operands)
-      is_last = jnp.asarray(True)
-      micro_step = jnp.zeros_like(state.micro_step)
-    else:
-      step_size = 1 if not slot_may_be_kept else jnp.logical_not(dropped).astype(state.micro_step.dtype)
-      micro_step = state.micro_step + step_size
-      is_last = micro_step >= k
-      out, inner_state, updated, stats = parallel.cond(is_last, emit, hold, operands)
-      micro_step = jnp.where(is_last, jnp.zeros_like(micro_step), micro_step)
-    empty = is_last & jnp.logical_not(updated)
-    return out, AccumulateState(
-      micro_step=micro_step,
-      update_count=state.update_count + updated.astype(state.update_count.dtype),
-      acc_grads=acc_grads,
-      acc_weight=acc_weight,
-      inner_state=inner_state,
-      num_skipped=num_skipped,
-      num_empty_windows=state.num_empty_windows + empty.astype(state.num_empty_windows.dtype),
-      updated=updated,
-      noise_stats=stats,
+
+def _check_state(cfg: _window.Config, state, grads) -> None:
+  expected = _expected_inner_state(cfg, grads)
+  if not isinstance(state, AccumulateState):
+    holding = "" if expected is None else f", holding inner's {_tree.describe(expected)}"
+    hint = ""
+    if expected is not None and _same_structure(state, expected):
+      hint = ": that is the state of `inner` itself; pass the state from this accumulate's init(params)"
+    raise TypeError(
+      f"state must be an AccumulateState (made by this accumulate's init(params){holding}), "
+      f"got {_tree.describe(state)}{hint}"
+    )
+  if expected is not None and not _same_structure(state.inner_state, expected):
+    raise TypeError(
+      f"state.inner_state does not match inner: inner.init gives {_tree.describe(expected)}, the state "
+      f"holds {_tree.describe(state.inner_state)} (a state made by another optimizer's init? pass the "
+      f"state from this accumulate's init(params))"
     )
 
-  def _window_end(grads, extra_args, apply, single, may_be_empty, update_shapes, targets):
-    """The two branches of a call: `emit` (the window's end) and `hold` (a micro-step).
 
-    Both take and return (acc_grads, acc_weight, inner_state, params, stats) ->
-    (updates or params, inner_state, updated, stats).
-    """
+def _expected_inner_state(cfg: _window.Config, grads):
+  """The shape of `inner.init`'s state (trace time only), or None when it cannot be traced here."""
+  try:
+    return jax.eval_shape(cfg.inner.init, grads)
+  except Exception:  # noqa: BLE001 -- a diagnostic only: no verdict rather than a wrong one.
+    return None
 
-    def idle(acc_grads, params):
-      """What a call that applies nothing returns: zero updates, or the parameters as they are.
 
-      The zeros carry each parameter's sharding, as the window end's updates do
-      (under Explicit mesh axes the two branches of the cond must agree on it),
-      but not the local accumulator's varying axes (see `_tree.zeros_like_sharded`).
-      """
-      if apply:
-        return params
-      if targets is not None:  # unreduced: the accumulator's type is not the updates' (see `targets`)
-        return jax.tree.map(lambda u, t: jnp.zeros(u.shape, u.dtype, out_sharding=t), update_shapes, targets)
-      return jax.tree.map(lambda a, u: _tree.zeros_like_sharded(a, u.dtype), acc_grads, update_shapes)
+def _check_explicit(cfg: _window.Config, grads, state) -> None:
+  """In the user's own jit on an Explicit mesh: unreduced gradients and accumulator, and the options that apply."""
+  axis_name = cfg.axis_name
+  _unreduced.check_unreduced(grads, axis_name)
+  if not all(_unreduced.is_unreduced(a, axis_name) for a in jax.tree.leaves(state.acc_grads)):
+    raise ValueError(
+      f"state.acc_grads is not unreduced over {axis_name=}: make the state with tx.init(params) on params "
+      "placed on the Explicit mesh (jax.device_put(params, NamedSharding(mesh, P()))), or under "
+      "jax.set_mesh(mesh), so that the accumulator holds each device's partial sum across calls"
+    )
+  if cfg.skip_nonfinite:
+    raise ValueError(
+      "skip_nonfinite=True with unreduced gradients (the user's own jit on an Explicit mesh): a partial sum "
+      "cannot be tested for NaN/Inf before the window's one reduction. Use ja.make_train_step, or shard_map"
+    )
+  if cfg.tracking:
+    raise ValueError(
+      f"noise_scale_ema={cfg.noise_scale_ema} with unreduced gradients (the user's own jit on an Explicit mesh) is "
+      "not supported yet: each microbatch's |g|^2 needs its reduced gradient. Use ja.make_train_step(..., "
+      "noise_scale=), or shard_map with axis_name"
+    )
 
-    def emit(operands):
-      """The window's end: all-reduce, mean, `inner`. Runs only in the taken branch."""
-      acc_grads, acc_weight, inner_state, params, stats = operands
-      window_sq = window_count = None
-      if tracking:
-        window_sq, window_count = stats.acc_sq, stats.acc_count
-        if sample is not None:
-          window_sq = (stats.acc_sq, stats.acc_sampled_weight)
-      mean, acc_weight, window_sq, window_count = _reduce_window(
-        acc_grads, acc_weight, window_sq, window_count, targets
-      )
-      if tracking:
-        stats = _noise_window_end(stats, mean, acc_weight, window_sq, window_count, ema_decay, axis_name)
 
-      def apply_inner(operands):
-        mean, acc_weight, inner_state, params = operands
-        if single and axis_name is None:
-          # The mean of one microbatch is its gradient: pass it as it is, so that
-          # every_k=1 is `inner` bit for bit (w g / w need not round back to g).
-          mean = grads
-        else:
-          mean = jax.tree.map(lambda m, g: m.astype(g.dtype), mean, grads)
-        updates, inner_state = inner.update(mean, inner_state, params, **extra_args, **noise_args(stats, acc_weight))
-        return (optax.apply_updates(params, updates) if apply else updates), inner_state, jnp.asarray(True)
-
-      def skip_inner(operands):
-        acc_grads, _, inner_state, params = operands
-        return idle(acc_grads, params), inner_state, jnp.asarray(False)
-
-      if may_be_empty:
-        # Under axis_name the all-reduced total decides: the same on every device.
-        out = parallel.cond(acc_weight > 0, apply_inner, skip_inner, (mean, acc_weight, inner_state, params))
-      else:
-        out = apply_inner((mean, acc_weight, inner_state, params))
-      return (*out, stats)
-
-    def hold(operands):
-      """A micro-step: `inner`'s state (and with `apply` the parameters) pass through untouched.
-
-      Passed-through operands are aliased by XLA when the caller donates them: no copy.
-      """
-      acc_grads, _, inner_state, params, stats = operands
-      return idle(acc_grads, params), inner_state, jnp.asarray(False), stats
-
-    return emit, hold
-
-  def _reduce_window(acc_grads, acc_weight, window_sq, window_count, targets):
-    """The window's mean sum w g / sum w, its total weight sum w and noise scalars, reduced over `axis_name`.
-
-    Returns (mean in the accumulator's dtypes, total weight, window_sq, window_count).
-    Without `axis_name`: the local mean. Under pmap/shard_map: one all-reduce
-    of (sum w g, sum w), the noise statistics' two scalars riding along with the
-    weight (no extra collective). With `comm_dtype` the wire is normalised: the
-    scalars are all-reduced first, then each device sends its share
-    (sum_local w g) / (sum w) of the mean, so a float16 wire does not overflow on
-    token-count weights (the sum w g itself can exceed 65504 while the mean is
-    small); the weight never crosses in comm_dtype (a token count in bf16 is
-    exact only up to 256). Unreduced (the user's own jit on an Explicit mesh,
-    `targets` given): the total weight is already global (weights are
-    replicated), and each leaf is reduced once into its target sharding.
-    """
-
-    def divide(sums, total):
-      safe = jnp.where(total > 0, total, jnp.ones_like(total))  # an empty window: no 0/0 (it applies nothing)
-      return jax.tree.map(lambda a: a / safe.astype(a.dtype), sums)
-
-    if axis_name is None:
-      return divide(acc_grads, acc_weight), acc_weight, window_sq, window_count
-    if targets is not None:
-      if comm_dtype is None:
-        sums = jax.tree.map(lambda a, t: _unreduced.reduce(a, axis_name, t), acc_grads, targets)
-        return divide(sums, acc_weight), acc_weight, window_sq, window_count
-      safe = jnp.where(acc_weight > 0, acc_weight, jnp.ones_like(acc_weight))
-      mean = jax.tree.map(
-        lambda a, t: _unreduced.reduce(_unreduced.scale(a, 1 / safe, axis_name), axis_name, t, comm_dtype),
-        acc_grads,
-        targets,
-      )
-      return mean, acc_weight, window_sq, window_count
-    scalars = acc_weight
-    sampled = isinstance(window_sq, tuple)  # noise_scale_sample: (sum_S w |g|^2, B_S), one scalar more
-    if tracking:
-      noise_sums = list(window_sq) if sampled else [window_sq]
-      scalars = jnp.stack([acc_weight, *noise_sums, window_count.astype(acc_weight.dtype)])
-    if comm_dtype is None:
-      sums, scalars = lax.psum((acc_grads, scalars), axis_name)
-      total = scalars[0] if tracking else scalars
-      mean = divide(sums, total)
+def _checked_step(cfg: _window.Config, grads, state, params, weight, extra_args, apply: bool):
+  """`_window.step` after checking its arguments (nothing is traced before they pass)."""
+  _tree.check_same_structure(grads, getattr(state, "acc_grads", grads), "grads", "the accumulator state.acc_grads")
+  grads = jax.tree.map(jnp.asarray, grads)  # optax accepts Python scalars as leaves
+  _check_state(cfg, state, grads)
+  if apply:
+    _tree.check_same_structure(params, state.acc_grads, "params", "the accumulator state.acc_grads")
+  weight = _check_weight(weight)
+  unreduced = False
+  if cfg.axis_name is not None:
+    if _unreduced.is_bound(cfg.axis_name):
+      parallel.check_varying(grads, cfg.axis_name)
     else:
-      scalars = lax.psum(scalars, axis_name)
-      total = scalars[0] if tracking else scalars
-      mean = parallel.all_reduce_sum(divide(acc_grads, total), axis_name, comm_dtype)
-    if tracking:
-      window_sq = (scalars[1], scalars[2]) if sampled else scalars[1]
-      return mean, total, window_sq, scalars[-1]
-    return mean, total, None, None
+      # Not under pmap/shard_map: the user's own jit on an Explicit mesh, or a clear error.
+      _unreduced.explicit_mesh(cfg.axis_name, grads, what="ja.accumulate")
+      _check_explicit(cfg, grads, state)
+      unreduced = True
+  return _window.step(cfg, grads, state, params, weight, extra_args, apply, unreduced)
 
-  def check_explicit(grads, state):
-    """In the user's own jit on an Explicit mesh: unreduced gradients and accumulator, and the options that apply."""
-    _unreduced.check_unreduced(grads, axis_name)
-    if not all(_unreduced.is_unreduced(a, axis_name) for a in jax.tree.leaves(state.acc_grads)):
-      raise ValueError(
-        f"state.acc_grads is not unreduced over {axis_name=}: make the state with tx.init(params) on params "
-        "placed on the Explicit mesh (jax.device_put(params, NamedSharding(mesh, P()))), or under "
-        "jax.set_mesh(mesh), so that the accumulator holds each device's partial sum across calls"
-      )
-    if skip_nonfinite:
-      raise ValueError(
-        "skip_nonfinite=True with unreduced gradients (the user's own jit on an Explicit mesh): a partial sum "
-        "cannot be tested for NaN/Inf before the window's one reduction. Use ja.make_train_step, or shard_map"
-      )
-    if tracking:
-      raise ValueError(
-        f"noise_scale_ema={noise_scale_ema} with unreduced gradients (the user's own jit on an Explicit mesh) is "
-        "not supported yet: each microbatch's |g|^2 needs its reduced gradient. Use ja.make_train_step(..., "
-        "noise_scale=), or shard_map with axis_name"
-      )
 
-  def entry(grads, state, params, weight, extra_args, apply: bool):
-    """`step`, after refusing partial sums it cannot reduce, under the gradients' mesh (no set_mesh needed)."""
-    if axis_name is None or _unreduced.is_bound(axis_name):
-      _unreduced.refuse(grads, "ja.accumulate" + ("" if axis_name is None else f"(axis_name={axis_name!r})"))
-      return step(grads, state, params, weight, extra_args, apply)
-    with _unreduced.mesh_context(grads):
-      return step(grads, state, params, weight, extra_args, apply)
-
-  def update(grads, state, params=None, *, weight=None, **extra_args):
-    return entry(grads, state, params, weight, extra_args, apply=False)
-
-  def apply_gradients(grads, state, params, *, weight=None, **extra_args):
-    """`update` followed by `optax.apply_updates`, fused: returns (new params, state).
-
-    On a micro-step the parameters pass through the untaken branch (with
-    donation: not read, not written), so a micro-step costs only the add into
-    the accumulator. `ja.flax` uses this; it is reached as
-    `tx.update.apply_gradients` because an optax transformation is a plain
-    (init, update) pair with no room for a third function.
-    """
-    if params is None:
-      raise ValueError("apply_gradients needs params")
-    return entry(grads, state, params, weight, extra_args, apply=True)
-
-  # Tagged with its own `update`: a wrapper made with functools.wraps copies the
-  # attribute, and must not have its own update bypassed (see `ja.flax`).
-  setattr(apply_gradients, "update", update)  # noqa: B010  (function attributes: setattr keeps mypy quiet)
-  setattr(update, "apply_gradients", apply_gradients)  # noqa: B010
-  return optax.GradientTransformationExtraArgs(init, update)
+def _entry(cfg: _window.Config, grads, state, params, weight, extra_args, apply: bool):
+  """`_checked_step`, after refusing partial sums it cannot reduce, under the gradients' mesh (no set_mesh needed)."""
+  axis_name = cfg.axis_name
+  if axis_name is None or _unreduced.is_bound(axis_name):
+    _unreduced.refuse(grads, "ja.accumulate" + ("" if axis_name is None else f"(axis_name={axis_name!r})"))
+    return _checked_step(cfg, grads, state, params, weight, extra_args, apply)
+  with _unreduced.mesh_context(grads):
+    return _checked_step(cfg, grads, state, params, weight, extra_args, apply)

@@ -47,7 +47,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxaccum import _engine, _hlo, lowcomm, train_step
-from jaxaccum.microbatch import leading_size
+from jaxaccum._split import leading_size
 
 
 def _head(tree):

@@ -42,7 +42,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxaccum import _engine, _tree, sharded
-from jaxaccum.microbatch import _check_reductions, check_accumulator_dtype, check_binds, check_skip_empty, leading_size
+from jaxaccum._split import leading_size
+from jaxaccum._sums import _check_reductions
+from jaxaccum.microbatch import check_accumulator_dtype, check_binds, check_skip_empty
 
 _CLOSURE_HINT = (
   "loss_fn must take the batch as its second argument: loss_fn(params, batch) (and a key third, "
