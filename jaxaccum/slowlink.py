@@ -88,7 +88,11 @@ class DiLoCoTrainStep:
       *front, key = args
       specs = (rep,) * len(front) + (None if key is None else PartitionSpec(),)
       n_out = 4 if has_state else 3
-      return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(rep,) * n_out, axis_names={replica_axis})(*args)
+      # Untyped, as the step's own shard_map inside it is (make_train_step runs user code with
+      # check_vma=False): a typed outer map would expect replica-varying cotangents from an untyped body.
+      return jax.shard_map(
+        body, mesh=mesh, in_specs=specs, out_specs=(rep,) * n_out, axis_names={replica_axis}, check_vma=False
+      )(*args)
 
     donate = tuple(range(3 if has_state else 2)) if cfg.donate else ()
     self._jitted = jax.jit(fun, donate_argnums=donate)
