@@ -68,6 +68,7 @@ class Config(NamedTuple):
   state_reductions: Any
   grad_norms: bool
   noise_scale: bool
+  noise_sample: int | None  # noise_scale_sample: m microbatches measured per device, None: every one
   skip_empty: bool
   comm_dtype: Any  # the gradient's dtype on the wire (None: the accumulator's)
   lean: bool  # fsdp/hsdp gathering parameters per microbatch (not once per step)
@@ -219,7 +220,10 @@ def _global_total(ws, cfg: Config, axis):
 def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
   """`run(microbatches, i)` for the loop, its outputs' reductions, and how many leading leaves are gradients.
 
-  Outputs: ([(w_i / W) g_i per leaf], value, [|g_i|], [|g_i|^2, 1], [ran]).
+  Outputs: ([(w_i / W) g_i per leaf], value, [|g_i|], [|g_i|^2, 1 (, w_i)], [ran]).
+  With `noise_sample=m` the noise outputs are those of the first m microbatches
+  of weight > 0 on this device (decided from the weights, before any gradient
+  is seen) and zero for the others: sum_S w |g|^2 / W, |S| and B_S.
   """
   grad_fn = jax.value_and_grad(cfg.loss_fn, has_aux=cfg.has_aux or cfg.has_state)
   axes = () if cfg.plan is None else cfg.plan.batch_axes
@@ -234,6 +238,10 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
   # Layer by layer (`_layerwise`): each parameter gathered where the loss uses it and its gradient
   # reduce-scattered as soon as it exists. grad_norms and noise_scale measure each device's whole
   # microbatch gradient, which that never holds: with them the tree is gathered whole per microbatch.
+  measured = None
+  if cfg.noise_scale and cfg.noise_sample is not None:
+    real = ws > 0  # False for NaN too
+    measured = real & (jnp.cumsum(real.astype(jnp.int32)) <= cfg.noise_sample)
   lw = None
   if lean and not (cfg.grad_norms or cfg.noise_scale):
     dims = [lay.dim if j in coll.sharded else None for j, lay in enumerate(coll.flat)]
@@ -271,7 +279,12 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
       out = (*out, optax.tree.norm(g))
     if cfg.noise_scale:  # |g_i|^2 (a weighted mean: S1) and 1 (a sum over microbatches of weight > 0: K)
       wide = _tree.widest(_tree.accumulator_dtype(x.dtype) for x in jax.tree.leaves(g))
-      out = (*out, _noise.sq_norm(g, wide), jnp.ones([], wide))
+      if measured is None:
+        out = (*out, _noise.sq_norm(g, wide), jnp.ones([], wide))
+      else:  # sampled: a microbatch outside the sample skips the read of its gradient (a cond, as ja.accumulate)
+        zero = jnp.zeros([], wide)
+        sq = lax.cond(measured[i], lambda g: _noise.sq_norm(g, wide), lambda g: zero, g)
+        out = (*out, sq, measured[i].astype(wide), jnp.where(measured[i], ws[i].astype(wide), zero))
     if ran_flag:  # 1 on a device that ran a microbatch; "last": its init 0 on one that skipped them all
       out = (*out, jnp.ones([], jnp.float32))
     # The parameters are varying, so the gradients are per device by construction;
@@ -283,7 +296,8 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
     inner = (state_red, aux_red) if cfg.has_state and cfg.has_aux else state_red if cfg.has_state else aux_red
     value_red = ("mean", inner)
   reductions = (["add"] * n_grads, value_red) + (("concat",) if cfg.grad_norms else ())
-  reductions += (("mean", "sum") if cfg.noise_scale else ()) + (("last",) if ran_flag else ())
+  reductions += (("mean", "sum") if cfg.noise_scale else ()) + (("sum",) if measured is not None else ())
+  reductions += ("last",) if ran_flag else ()
   return run, reductions, n_grads
 
 
@@ -364,7 +378,7 @@ def _outputs(cfg: Config, out, state, axis, total) -> dict:
   if cfg.grad_norms:
     res["grad_norms"] = extras.pop(0)
   if cfg.noise_scale:
-    res["noise_sums"] = (extras[0], extras[1])
+    res["noise_sums"] = tuple(extras[: 2 if cfg.noise_sample is None else 3])
   return res
 
 
@@ -512,9 +526,13 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
   if cfg.grad_norms:
     metrics["grad_norms"] = out.pop("grad_norms")
   if cfg.noise_scale:
-    s1, count = out.pop("noise_sums")
+    s1, count, *sampled_weight = out.pop("noise_sums")
     mean_sq = _noise.sq_norm(grads, s1.dtype)  # |g|^2 of the reduced mean (the partitioner sums shards)
-    grad_sq, trace_cov, valid = _noise.window_estimates(s1 * total.astype(s1.dtype), total, mean_sq, count)
+    if sampled_weight:  # noise_scale_sample: ja.accumulate's sampled estimator on (sum_S w |g|^2, B_S, |S|)
+      est = _noise.sampled_window_estimates(s1 * total.astype(s1.dtype), sampled_weight[0], count, total, mean_sq)
+    else:
+      est = _noise.window_estimates(s1 * total.astype(s1.dtype), total, mean_sq, count)
+    grad_sq, trace_cov, valid = est
     metrics["noise_scale"] = _noise.step_estimate(grad_sq, trace_cov, valid)
   return new_piece, new_state, new_opt, metrics
 

@@ -143,8 +143,11 @@ def check_decay(decay, name: str = "noise_scale_ema") -> float:
   return value
 
 
-def check_sample(sample, noise_scale_ema) -> int | None:
-  """`noise_scale_sample`: None (every microbatch measured) or m >= 1 microbatches per window, with tracking on."""
+def check_sample(sample, noise_scale_ema, *, switch: str = "noise_scale_ema= (e.g. 0.99)") -> int | None:
+  """`noise_scale_sample`: None (every microbatch measured) or m >= 1 microbatches per window, with tracking on.
+
+  `noise_scale_ema`: None where the measurement is off; `switch` names what turns it on (the entry point's option).
+  """
   if sample is None:
     return None
   if isinstance(sample, (bool, np.bool_)) or not isinstance(sample, numbers.Integral):
@@ -153,8 +156,7 @@ def check_sample(sample, noise_scale_ema) -> int | None:
     raise ValueError(f"noise_scale_sample={sample!r} must be None or an int >= 1 (microbatches measured per window)")
   if noise_scale_ema is None:
     raise ValueError(
-      f"noise_scale_sample={sample!r} samples the noise-scale measurement, which is off: turn it on with "
-      "noise_scale_ema= (e.g. 0.99)"
+      f"noise_scale_sample={sample!r} samples the noise-scale measurement, which is off: turn it on with {switch}"
     )
   return int(sample)
 

@@ -42,6 +42,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from jaxaccum import _engine, _tree, sharded
+from jaxaccum import noise as _noise
 from jaxaccum._split import leading_size
 from jaxaccum._sums import _check_reductions
 from jaxaccum.microbatch import check_accumulator_dtype, check_binds, check_skip_empty
@@ -185,6 +186,7 @@ def make_train_step(
   comm_dtype: Any = None,
   fsdp_gather: str | None = None,
   noise_scale: bool = False,
+  noise_scale_sample: int | None = None,
   skip_empty: bool = False,
 ):
   r"""Returns a jitted `step(params, opt_state, batch, key=None) -> (params, opt_state, metrics)`.
@@ -308,6 +310,17 @@ def make_train_step(
       estimate is noisy: smooth it across steps with
       `ema = ja.noise_scale_smooth(ema, metrics["noise_scale"], decay)`
       (start from `ema = None`) and read `ja.noise_scale(ema)`.
+    noise_scale_sample: None (every microbatch measured), or m >= 1: only
+      the first m microbatches of weight > 0 of the step on each device have
+      their squared norm taken (under a `lax.cond`: the others skip that read
+      of their gradient), and `ja.accumulate(..., noise_scale_sample=m)`'s
+      estimator for a sample is used (`jaxaccum.noise`, "Sampling"): still
+      unbiased, with more variance per step, for about m/K of the
+      per-microbatch cost. With P devices the sample is up to P m
+      microbatches; the estimate needs one measured microbatch and one more
+      in the step (else NaN). The update is the same bit for bit, and no
+      collective is added (one more scalar joins the all-reduce). Needs
+      `noise_scale=True`.
     skip_empty: skip microbatches of weight 0 (see above); needs
       `weight_fn`. Under fsdp's per-microbatch gather (collectives in the
       loop body) a slot is skipped only where every device's microbatch is
@@ -339,6 +352,7 @@ def make_train_step(
   if weight_fn is not None and not callable(weight_fn):
     raise TypeError(f"weight_fn={weight_fn!r} must be callable or None")
   check_skip_empty(skip_empty, weight_fn)
+  noise_sample = _noise.check_sample(noise_scale_sample, noise_scale or None, switch="noise_scale=True")
   if aux_reductions is not None and not has_aux:
     raise ValueError(f"{aux_reductions=} needs has_aux=True (loss_fn returning (loss, aux))")
   if state_reductions is not None and not has_state:
@@ -381,6 +395,7 @@ def make_train_step(
     state_reductions=state_reductions,
     grad_norms=grad_norms,
     noise_scale=noise_scale,
+    noise_sample=noise_sample,
     skip_empty=skip_empty,
     comm_dtype=comm_dtype,
     lean=fsdp_gather != "once",

@@ -634,6 +634,130 @@ def test_make_train_step_noise_scale_adds_no_collective():
   assert counts[1][1] == counts[0][1] + 2, counts
 
 
+# make_train_step(..., noise_scale=True, noise_scale_sample=m): the first m microbatches of weight > 0 of the
+# step on each device, ja.accumulate's sampled estimator.
+
+SAMPLE_K, SAMPLE_ROWS = 4, 96  # 8 devices x 4 microbatches x 3 rows (1 device: 4 microbatches of 24 rows)
+
+
+def _masked_mse(params, batch):
+  """A masked mean over the rows (0 for a microbatch of padding only: its weight is 0)."""
+  x, y, mask = batch["x"], batch["y"], batch["mask"]
+  pred = x @ params[0]["w"] + params[0]["b"]
+  pred = jnp.tanh(pred) @ params[1]["w"] + params[1]["b"]
+  err = jnp.sum((pred - y) ** 2, axis=-1)
+  return jnp.sum(mask * err) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _sample_problem(devices):
+  """Params, a batch whose microbatch weights differ, and each (device, microbatch)'s rows in the step's order."""
+  keys = jax.random.split(jax.random.PRNGKey(11), 4)
+  params = [
+    {"w": jax.random.normal(keys[0], (3, 8), jnp.float64) / 2, "b": jnp.full((8,), 0.1, jnp.float64)},
+    {"w": jax.random.normal(keys[1], (8, 2), jnp.float64) / 3, "b": jnp.zeros((2,), jnp.float64)},
+  ]
+  x = jax.random.normal(keys[2], (SAMPLE_ROWS, 3), jnp.float64)
+  y = jnp.sin(x @ jax.random.normal(keys[3], (3, 2), jnp.float64))
+  per = SAMPLE_ROWS // devices
+  # Device p's block of rows; its microbatch i holds rows i, i + K, ... of that block.
+  mbs = [(p, i, np.arange(p * per + i, (p + 1) * per, SAMPLE_K)) for p in range(devices) for i in range(SAMPLE_K)]
+  mask = np.ones(SAMPLE_ROWS)
+  mask[[3, 10, 21, 50, 77]] = 0.0  # unequal weights
+  for p, i, rows in mbs:
+    if i == 0 and p % 2 == 0:
+      mask[rows] = 0.0  # the first microbatch of every other device is padding: the sample skips it
+  return params, {"x": x, "y": y, "mask": jnp.asarray(mask)}, mbs
+
+
+def _plain_sampled_estimate(params, batch, mbs, m):
+  """tr(Sigma) and |G|^2 from per-microbatch gradients (jax.grad in a loop), the sampled formulas in numpy."""
+  ws, gs, sampled = [], [], []
+  taken: dict = {}
+  for p, _, rows in mbs:
+    mb = jax.tree.map(lambda v: v[rows], batch)
+    w = float(np.sum(mb["mask"]))
+    g = jax.grad(_masked_mse)(params, mb)
+    ws.append(w)
+    gs.append(np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(g)]))
+    in_sample = w > 0 and taken.get(p, 0) < m
+    taken[p] = taken.get(p, 0) + in_sample
+    sampled.append(in_sample)
+  ws, gs, sampled = np.asarray(ws), np.stack(gs), np.asarray(sampled)
+  big_b = ws.sum()
+  mean = (ws[:, None] * gs).sum(0) / big_b
+  s2 = mean @ mean
+  b_s = ws[sampled].sum()
+  s1 = np.sum(ws[sampled] * np.sum(gs[sampled] ** 2, axis=1)) / b_s
+  trace_cov = (s1 - s2) / (sampled.sum() / b_s - 1 / big_b)
+  return s2 - trace_cov / big_b, trace_cov
+
+
+@pytest.mark.parametrize(
+  "strategy, samples",
+  [("none", (1, 2)), ("ddp", (1, 2)), ("fsdp", (1, 2)), ("zero1", (2,)), ("fsdp_once", (2,)), ("hsdp", (2,))],
+)
+def test_make_train_step_noise_scale_sample(strategy, samples):
+  mesh, axes, kwargs = None, "data", {}
+  if strategy == "hsdp":
+    mesh, axes = jax.make_mesh((2, 4), ("rep", "shard")), ("rep", "shard")
+  elif strategy != "none":
+    mesh = ja.data_mesh()
+  if strategy != "none":
+    kwargs = dict(mesh=mesh, data_axis=axes, strategy="fsdp" if strategy == "fsdp_once" else strategy)
+  if strategy == "fsdp_once":
+    kwargs["fsdp_gather"] = "once"
+  devices = 1 if mesh is None else 8
+  params, batch, mbs = _sample_problem(devices)
+  opt = optax.adam(1e-2)
+
+  def run(**options):
+    step = ja.make_train_step(
+      _masked_mse,
+      opt,
+      num_microbatches=SAMPLE_K,
+      weight_fn=lambda b: jnp.sum(b["mask"]),
+      noise_scale=True,
+      donate=False,
+      **kwargs,
+      **options,
+    )
+    if mesh is None:
+      p, s = params, opt.init(params)
+    else:
+      p, s = ja.shard_train_state(params, opt, mesh, strategy=kwargs["strategy"], data_axis=axes)
+    compiled = step.lower(p, s, batch).compile()
+    new_p, _, metrics = compiled(p, s, batch, None)
+    return new_p, metrics, None if mesh is None else ja.count_collectives(compiled)
+
+  full_p, full_metrics, full_counts = run()
+  for m in samples:
+    got_p, metrics, counts = run(noise_scale_sample=m)
+    # The update is the same bit for bit, and no collective is added.
+    for a, b in zip(jax.tree.leaves(got_p), jax.tree.leaves(full_p), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(metrics["loss"]), np.asarray(full_metrics["loss"]))
+    assert counts == full_counts, (m, counts, full_counts)
+    want_g2, want_tr = _plain_sampled_estimate(params, batch, mbs, m)
+    measured = metrics["noise_scale"]
+    np.testing.assert_allclose(float(measured.grad_sq), want_g2, rtol=1e-10)
+    np.testing.assert_allclose(float(measured.trace_cov), want_tr, rtol=1e-10)
+    np.testing.assert_allclose(float(measured.b_simple), want_tr / want_g2, rtol=1e-10)
+    # A sample is not the whole step: the estimate differs from the unsampled one.
+    assert abs(float(measured.trace_cov) - float(full_metrics["noise_scale"].trace_cov)) > 1e-6
+
+
+def test_make_train_step_noise_scale_sample_bad_input():
+  loss = lambda p, b: jnp.mean(b)
+  for bad, error in ((1.5, TypeError), (True, TypeError), ("2", TypeError), (0, ValueError), (-1, ValueError)):
+    with pytest.raises(error) as from_step:
+      ja.make_train_step(loss, optax.sgd(0.1), noise_scale=True, noise_scale_sample=bad)
+    with pytest.raises(error) as from_accumulate:
+      ja.accumulate(optax.sgd(0.1), 4, noise_scale_ema=0.9, noise_scale_sample=bad)
+    assert str(from_step.value) == str(from_accumulate.value)  # one checker, one text
+  with pytest.raises(ValueError, match=r"noise_scale_sample=2 .* which is off: turn it on with noise_scale=True"):
+    ja.make_train_step(loss, optax.sgd(0.1), noise_scale_sample=2)
+
+
 # ---------------------------------------------------------------------------------------------
 # Issue 22: bad input and faults.
 
