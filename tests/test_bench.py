@@ -5,6 +5,8 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "fsdp", "noise", "grad", "per_example")
 
 
@@ -19,6 +21,7 @@ def _numbers(tree, path=""):
     yield path, tree
 
 
+@pytest.mark.slow  # every section compiled in a subprocess (minutes): .ci/run's second step
 def test_bench_quick_report(tmp_path):
   out = tmp_path / "bench.json"
   proc = subprocess.run(
