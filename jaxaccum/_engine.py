@@ -76,6 +76,9 @@ class Config(NamedTuple):
   plan: Any  # sharded._Plan, None without a mesh
   donate: bool  # params, opt_state (and state) buffers given to the outputs
   always_apply: bool = False  # private: no skip, the update always applies (the twin memory is measured against)
+  # private (ja.diloco_train_step): the optimizer runs on every call and gates its own update with
+  # `inner_applied=applied`, so its schedule and collectives run on replicas that skip too
+  optimizer_gates_itself: bool = False
 
 
 def step(cfg: Config, given, params, state, opt_state, batch, key):
@@ -506,6 +509,15 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
   ops = (params, opt_state, state, new_state)
   if cfg.always_apply:  # the bench's and tests' twin: the same step with no skip, for its memory
     new_piece, new_opt, new_state = update(ops)
+  elif cfg.optimizer_gates_itself:
+    # ja.diloco over a replica axis: `applied` differs across replicas, and a replica that left the
+    # optimizer out would fall behind in its schedule and miss the others' collectives (a hang).
+    # It runs everywhere on zeros where skipped (no NaN flows in) and keeps only its inner step.
+    piece = to_piece(params)
+    safe = jax.tree.map(lambda g: jnp.where(applied, g, jnp.zeros_like(g)), grads)
+    updates, new_opt = cfg.optimizer.update(safe, opt_state, piece, inner_applied=applied)
+    new_piece = optax.apply_updates(piece, updates)
+    new_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old), new_state, state)
   else:
     # A conditional, not compute-then-select: a select keeps the old and the new parameters and
     # optimizer state alive together (up to 1.3x the per-device peak); in a conditional XLA updates

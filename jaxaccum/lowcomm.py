@@ -439,7 +439,9 @@ def diloco(
       residual=_zeros_like(params) if error_feedback else None,
     )
 
-  def update(grads, state, params=None, **extra_args):
+  def update(grads, state, params=None, *, inner_applied=None, **extra_args):
+    # inner_applied (private; ja.diloco_train_step's engine passes it): a traced bool, False where this
+    # replica's step skips. Only the inner update is gated; the schedule and collectives run regardless.
     _check_params(params, "diloco")
     num, index, treedef = layout(params, check=False)
     size = parallel.check_axis_name(axis_name)
@@ -475,7 +477,10 @@ def diloco(
         if resid_l is not None:
           resid_l = put(resid_l, f, resid)
 
-    local, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    if inner_applied is None:
+      local, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    else:
+      local, inner_state = _gated_inner(inner, inner_applied, grads, state.inner_state, params, extra_args)
     local_l = jax.tree.leaves(local)
     updates_l, outer_state, merged = list(local_l), list(state.outer_state), jnp.zeros([], jnp.bool_)
     for f in range(num):
@@ -522,6 +527,23 @@ def diloco(
     return jax.tree.unflatten(jax.tree.structure(local), updates_l), new_state
 
   return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _gated_inner(inner, applied, grads, inner_state, params, extra_args):
+  """`inner.update` where `applied`, else a zero update and `inner_state` unchanged (a conditional, no select).
+
+  A skipped step's gradient may be non-finite: it is replaced by zeros before
+  it enters either branch, so no NaN flows into the update or its gradients.
+  """
+  grads = jax.tree.map(lambda g: jnp.where(applied, g, jnp.zeros_like(g)), grads)
+
+  def apply(ops):
+    return inner.update(ops[0], ops[1], params, **extra_args)
+
+  def hold(ops):
+    return _zeros_like(ops[0]), ops[1]  # in the gradient's layout; parallel.cond joins dtypes
+
+  return parallel.cond(applied, apply, hold, (grads, inner_state))
 
 
 def stale(

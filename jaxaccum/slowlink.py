@@ -24,16 +24,15 @@ axis with `ja.diloco` and a data-parallel step per replica
 (tests/test_slowlink.py checks it to 1e-12 in float64, and counts the
 collectives that cross the replica axis in the compiled HLO).
 
-Skipped steps (a known gap). The step skips an update whose mean gradient is
-not finite (or whose total weight is 0) and leaves that replica's optimizer
-state, and so its DiLoCo schedule, unchanged. DiLoCo's schedule must agree
-across replicas (a sync is a collective over all of them): a replica that
-skips alone falls one update behind, and its next sync waits for a collective
-the others have already left (on several processes the job hangs; see
-`ja.fail_fast` for the deadline that turns a hang into an exit). On a sync
-update the skipping replica's outer gradient still enters the all-reduce (the
-step computes the update, then selects), so a non-finite one reaches every
-replica's anchor. Feed every replica real, finite rows.
+Skipped steps. The step skips an update whose mean gradient is not finite (or
+whose total weight is 0); the decision is each replica's own, reduced over its
+data axes only. DiLoCo's schedule must agree across replicas (a sync is a
+collective over all of them), so the optimizer runs on every call on every
+replica and gates only its inner step: where a replica skips, its gradient is
+replaced by zeros, its inner update is zero (u_p = 0, so local_p = theta_p)
+and its inner optimizer state and model state are kept, while the update
+count, the sends and the merges proceed as on the others. A skip thus adds no
+collective, never leaves a replica behind, and lets no NaN into any state.
 """
 
 from __future__ import annotations
@@ -263,4 +262,5 @@ def diloco_train_step(
     compress=compress,
     error_feedback=error_feedback,
   )
-  return DiLoCoTrainStep(cfg._replace(optimizer=tx), step._arg_names, replica_axis, cfg.mesh.shape[replica_axis])
+  cfg = cfg._replace(optimizer=tx, optimizer_gates_itself=True)  # see "Skipped steps" in the module docstring
+  return DiLoCoTrainStep(cfg, step._arg_names, replica_axis, cfg.mesh.shape[replica_axis])

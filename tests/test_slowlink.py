@@ -173,3 +173,95 @@ def test_model_state_and_key_per_replica():
   assert not np.allclose(b[0], b[1]), "the replicas drew the same key"
   with pytest.raises(TypeError, match="init\\(params, state\\)"):
     dstep.init(params)
+
+
+def _held_when_dead(inner):
+  """`inner`, with an extra arg `live`: where False its update is zero and its state is held (a plain select)."""
+
+  def update(grads, state, params=None, *, live):
+    updates, new_state = inner.update(grads, state, params)
+    updates = jax.tree.map(lambda u: jnp.where(live, u, jnp.zeros_like(u)), updates)
+    return updates, jax.tree.map(lambda a, b: jnp.where(live, a, b), new_state, state)
+
+  return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+_SKIPS = {
+  # name: (how replica 1 skips, the update t = 1, 2, ... it skips, strategy, diloco options)
+  # sync_every=2: t=2 syncs. Streaming, F=2, tau=1: fragment 0 sends and merges on t=2, fragment 1 on t=4.
+  "weight0-nonsync-plain": ("weight0", 1, "ddp", dict(sync_every=2)),
+  "nan-sync-plain": ("nan", 2, "ddp", dict(sync_every=2)),
+  "weight0-sync-streaming": (
+    "weight0",
+    4,
+    "fsdp",
+    dict(sync_every=4, fragments=2, delay=1, alpha=0.5, compress="int8", error_feedback=True),
+  ),
+  "nan-nonsync-streaming": (
+    "nan",
+    3,
+    "fsdp",
+    dict(sync_every=4, fragments=2, delay=1, alpha=0.5, compress="int8", error_feedback=True),
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(_SKIPS))
+def test_one_replica_skipping_holds_its_inner_step_only(name):
+  """Replica 1 skips one update (its rows all weigh 0, or one holds a NaN); replica 0 does not.
+
+  The skipping replica's inner update is zero and its inner optimizer state is
+  held, while DiLoCo's schedule and collectives run on every replica (no
+  hang): equal to the user's shard_map with ja.diloco over an inner optimizer
+  gated per replica, and nothing non-finite reaches parameters or state.
+  """
+  how, t_skip, strategy, opts = _SKIPS[name]
+  params, (x, y) = _setup()
+  rows = x.shape[0] // REPLICAS
+  outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  inner = optax.adam(0.05)
+
+  def loss_fn(params, batch):
+    return mse_loss(params, batch[:2])
+
+  step = ja.make_train_step(
+    loss_fn, inner, mesh=_mesh(), strategy=strategy, weight_fn=lambda mb: jnp.sum(mb[2]), donate=False
+  )
+  dstep = ja.diloco_train_step(step, outer, **opts)
+  sync_every = opts.pop("sync_every")
+  tx = ja.diloco(_held_when_dead(inner), outer, sync_every, axis_name="r", **opts)
+
+  def batch_at(t):
+    bx, w = x, jnp.ones((x.shape[0],), x.dtype)
+    if t == t_skip and how == "weight0":
+      w = w.at[rows:].set(0.0)  # every row of replica 1
+    if t == t_skip and how == "nan":
+      bx = bx.at[rows + 5, 1].set(jnp.nan)  # one row of replica 1
+    return bx, y, w
+
+  mesh = Mesh(np.array(jax.devices()[:REPLICAS]), ("r",))
+  head = lambda t: jax.tree.map(lambda a: a[0], t)
+  stack = lambda t: jax.tree.map(lambda a: a[None], t)
+
+  def body(params, state, x, y, live):
+    params, state, live = head(params), head(state), live[0]
+    grads = jax.grad(mse_loss)(params, (x[0], y[0]))  # the mean over this replica's rows: its data step
+    grads = jax.tree.map(lambda g: jnp.where(live, g, jnp.zeros_like(g)), grads)
+    updates, state = tx.update(grads, state, params, live=live)
+    return stack(optax.apply_updates(params, updates)), stack(state)
+
+  ref = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("r"), out_specs=P("r")))
+  rep = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (REPLICAS, *a.shape)), t)
+  want_p, want_s = rep(params), rep(tx.init(params))
+  p, s = dstep.init(params)
+  for t in range(1, 2 * sync_every + 2):
+    bx, by, w = batch_at(t)
+    live = jnp.asarray([True, t != t_skip])
+    want_p, want_s = ref(want_p, want_s, bx.reshape(REPLICAS, rows, -1), by.reshape(REPLICAS, rows, -1), live)
+    p, s, metrics = dstep(p, s, (bx, by, w))
+    np.testing.assert_array_equal(np.asarray(metrics["applied"]), np.asarray(live))
+    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves((p, s))), f"non-finite after update {t}"
+    chex_close(p, want_p)
+    chex_close(s, want_s)
+  np.testing.assert_array_equal(np.asarray(s.inner_state[0].count), [2 * sync_every + 1, 2 * sync_every])
+  assert int(np.asarray(s.sync_count)[0]) == int(np.asarray(s.sync_count)[1]) > 0
