@@ -144,6 +144,7 @@ _BYTES = {
   "c128": 16,
 }
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]m[0-9][a-z]*)?)\[([0-9,]*)\]")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[0-9,\s]*\},?\s*)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 
@@ -183,6 +184,14 @@ def _groups(line: str):
     if m.group(3):
       ids = ids.transpose([int(x) for x in m.group(3).split(",")])
     return frozenset(frozenset(int(i) for i in row) for row in ids.reshape(shape))
+  m = _MESH_GROUPS.search(line)
+  if m:  # replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: one group per value of the other axes
+    axes = re.findall(r"'([^']+)'\s*=\s*(\d+)", m.group(1))
+    names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+    over = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(2))]
+    ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+    ids = ids.transpose([i for i in range(len(sizes)) if i not in over] + over)
+    return frozenset(frozenset(int(i) for i in row) for row in ids.reshape(-1, int(np.prod([sizes[i] for i in over]))))
   m = _LIST_GROUPS.search(line)
   if m and m.group(1).strip():
     rows = re.findall(r"\{([0-9,\s]*)\}", m.group(1))

@@ -92,3 +92,14 @@ def test_bad_input_is_refused_by_name():
     ja.count_collectives(lowered.compile(), branches="some")
   with pytest.raises(ValueError, match="num_devices"):
     ja.collective_bytes(lowered.compile(), num_devices=0)
+
+
+def test_mesh_form_replica_groups_are_the_groups_over_the_named_axes():
+  """XLA prints some groups as `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}` (a gather over the data axis of a
+  (replica, data) mesh inside a shard_map manual over replica): two groups of 4, not one of 8."""
+  from jaxaccum import _hlo
+
+  line = "%ag = f32[1,16]{0,1} all-gather(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={1}"
+  assert _hlo._groups(line) == frozenset({frozenset({0, 1, 2, 3}), frozenset({4, 5, 6, 7})})
+  line = "%ar = f32[4] all-reduce(%x), replica_groups=mesh['a'=2,'b'=2,'c'=2] {'a','c'}, to_apply=%add"
+  assert _hlo._groups(line) == frozenset({frozenset({0, 1, 4, 5}), frozenset({2, 3, 6, 7})})
