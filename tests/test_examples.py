@@ -145,3 +145,16 @@ def test_diloco_port_equals_a_plain_loop_over_replicas():
   assert [r for r, _, _ in runs] == ["a", "b", "c"], out
   for run, replicas, anchor in runs:
     assert float(replicas) < initial and float(anchor) < initial, f"({run}) did not train:\n{out}"
+
+
+def test_diloco_wrapper_port_equals_a_plain_loop_over_replicas():
+  """examples/diloco_wrapper_port.py: MaxText's DiLoCo test through ja.diloco_train_step (ddp and fsdp steps on a
+  (replica=2, data=4) mesh) equals the original's algorithm as a loop over replicas in float64; streaming
+  (2 fragments, delay 1, alpha 0.5, int4 + error feedback) trains."""
+  out = _run_once("diloco_wrapper_port", ["--steps", "12", "--sync-every", "6"])
+  diffs = re.findall(r"^(ddp|fsdp): \|params - ref\| (\S+)  \|anchor - ref\| (\S+)  \|losses - ref\| (\S+)$", out, re.M)
+  assert [d[0] for d in diffs] == ["ddp", "fsdp"], out
+  for strategy, *ds in diffs:
+    assert all(float(d) < 1e-12 for d in ds), f"{strategy}:\n{out}"
+  held = dict(re.findall(r"(initial|ddp|DiLoCo anchor|streaming anchor) (\d+\.\d+)", out.split("held-out loss:")[-1]))
+  assert len(held) == 4 and all(float(v) < float(held["initial"]) for k, v in held.items() if k != "initial"), out
