@@ -162,3 +162,16 @@ def test_port_fsdp_grad_equals_the_plain_full_batch_step():
   moved = float(re.search(r"moved a parameter by up to (\S+);", out).group(1))
   assert moved > 1e-3, out  # the updates did something: equal parameters are not a vacuous pass
   assert out.rstrip().endswith("OK"), out
+
+
+def test_diloco_wrapper_port_equals_a_plain_loop_over_replicas():
+  """examples/diloco_wrapper_port.py: MaxText's DiLoCo test through ja.diloco_train_step (ddp and fsdp steps on a
+  (replica=2, data=4) mesh) equals the original's algorithm as a loop over replicas in float64; streaming
+  (2 fragments, delay 1, alpha 0.5, int4 + error feedback) trains."""
+  out = _run_once("diloco_wrapper_port", ["--steps", "12", "--sync-every", "6"])
+  diffs = re.findall(r"^(ddp|fsdp): \|params - ref\| (\S+)  \|anchor - ref\| (\S+)  \|losses - ref\| (\S+)$", out, re.M)
+  assert [d[0] for d in diffs] == ["ddp", "fsdp"], out
+  for strategy, *ds in diffs:
+    assert all(float(d) < 1e-12 for d in ds), f"{strategy}:\n{out}"
+  held = dict(re.findall(r"(initial|ddp|DiLoCo anchor|streaming anchor) (\d+\.\d+)", out.split("held-out loss:")[-1]))
+  assert len(held) == 4 and all(float(v) < float(held["initial"]) for k, v in held.items() if k != "initial"), out
