@@ -101,7 +101,7 @@ def refuse(tree, what: str, arg: str = "grads") -> None:
         f"{what}: {arg}{jax.tree_util.keystr(path)} is unreduced over {axes} (typed {jax.typeof(leaf)}: each "
         "device holds a partial sum, as ja.grad returns it). Give it to ja.accumulate(..., "
         f"axis_name={axes[0]!r}) or ja.microbatch(..., axis_name={axes[0]!r}), which reduce once, or reduce it "
-        f"first with jax.reshard(g, P()) (one all-reduce)"
+        f"first with jax.reshard(g, NamedSharding(mesh, P())) (one all-reduce)"
       )
 
 

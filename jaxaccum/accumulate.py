@@ -209,7 +209,7 @@ def accumulate(
       bit for bit. A mesh with another axis, an Auto mesh, `skip_nonfinite`
       and `noise_scale_ema` raise there, saying what to use instead (see the
       guide "Your own jit step"). Without `axis_name`, unreduced gradients
-      raise a ValueError naming `axis_name=` and `jax.reshard(g, P())`.
+      raise a ValueError naming `axis_name=` and `jax.reshard(g, NamedSharding(mesh, P()))`.
     accumulator_dtype: dtype of the running sum. None: the wider of float32 and
       each gradient's dtype (bf16 -> float32, float64 stays float64).
     comm_dtype: dtype on the wire for the window-end all-reduce (e.g.

@@ -14,7 +14,7 @@ mean over rows and equal rows per device (or `weight_fn` = the rows or tokens
 of each device's share), exactly `jax.grad(fun)` on the whole batch. Nothing
 params-sized crosses the wire: only the scalar W (and the value, and aux, all
 reduced with scalar collectives). `ja.accumulate(..., axis_name="data")` keeps
-the sum unreduced across calls and reduces once per window; `jax.reshard(g, P())`
+the sum unreduced across calls and reduces once per window; `jax.reshard(g, NamedSharding(mesh, P()))`
 reduces by hand.
 
 A device whose weight W_d is 0 (padding only: its loss may be 0/0) adds exactly
@@ -179,7 +179,7 @@ def value_and_grad(
     grads)` with `has_aux`): value and aux global, grads unreduced over
     `axis_name` (typed `{U:axis}`), in the structure of the argument(s) in
     `argnums`. Reduce them with `ja.accumulate(..., axis_name=)`,
-    `ja.microbatch(..., axis_name=)` or `jax.reshard(g, P())`: an unreduced
+    `ja.microbatch(..., axis_name=)` or `jax.reshard(g, NamedSharding(mesh, P()))`: an unreduced
     value given to plain optax fails inside JAX (e.g. `integer_pow` in adam).
 
   Raises:
