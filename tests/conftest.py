@@ -55,7 +55,9 @@ def problem():
   return params, mse_loss, regression_data(jax.random.PRNGKey(1), 120)
 
 
-def pytest_configure(config):
-  # `@pytest.mark.slow`: full-size runs (pyproject registers it too; here only if it does not).
-  if not any(line.split(":")[0].strip() == "slow" for line in config.getini("markers")):
-    config.addinivalue_line("markers", "slow: a full-size run (minutes); the default run may deselect it")
+def smoke(values, keep):
+  """`values` as pytest params, all but those in `keep` marked slow: the default run keeps a smoke subset
+  of a grid (each cell one compile), `.ci/run`'s slow step runs the rest. A tuple is one value per
+  argname."""
+  slow = lambda v: pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+  return [v if v in keep else slow(v) for v in values]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import mlp_apply, mlp_init, regression_data
+from conftest import mlp_apply, mlp_init, regression_data, smoke
 from jax.sharding import AxisType
 
 import jaxaccum as ja
@@ -423,7 +423,7 @@ SKIP_OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("opt_name", sorted(SKIP_OPTIMIZERS))
-@pytest.mark.parametrize("strategy", ("ddp", "zero1", "fsdp", "fsdp_once", "hsdp", "hsdp_once"))
+@pytest.mark.parametrize("strategy", smoke(("ddp", "zero1", "fsdp", "fsdp_once", "hsdp", "hsdp_once"), {"ddp", "fsdp"}))
 def test_skipped_update_costs_no_memory_and_moves_nothing(strategy, opt_name):
   """The step's compiled per-device peak equals its always-applied twin's (1%); a skipped step changes no bit.
 
@@ -526,7 +526,7 @@ def clipped_loss(params, batch):
   return jnp.mean(jnp.sum((h @ params[1]["w"] + params[1]["b"] - batch["y"]) ** 2, axis=-1))
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", smoke(STRATEGIES, {"ddp", "fsdp"}))
 def test_a_backward_rule_nonlinear_in_its_cotangent_sees_the_plain_cotangent(strategy):
   """clip_gradient on a weight: each microbatch's gradient is clipped as plain jax.grad clips it, then weighted.
 
@@ -555,7 +555,7 @@ def constant_carry_loss(params, batch):
   return jnp.mean(jnp.sum((out - batch["y"]) ** 2, axis=-1)) + 0.01 * penalty + 0.01 * jnp.sum(v)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", smoke(STRATEGIES, {"ddp", "fsdp"}))
 def test_loops_whose_carry_starts_as_a_constant_run_on_every_strategy(strategy):
   """On a mesh these once failed with JAX's scan carry type error (its hint: a pcast in code with no shard_map)."""
   _, _, _, batch, _, _ = setup("plain", "none")
@@ -574,7 +574,7 @@ def _data_parallel_loss(mesh, axis):
   return loss
 
 
-@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "none"])
+@pytest.mark.parametrize("strategy", smoke([s for s in STRATEGIES if s != "none"], {"fsdp"}))
 def test_a_loss_that_shard_maps_over_the_data_axis_itself_is_refused_by_name(strategy):
   kwargs, mesh, axis, batch, _, _ = setup("plain", strategy)
   opt = optax.sgd(0.1)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import mlp_init, mse_loss, regression_data
+from conftest import mlp_init, mse_loss, regression_data, smoke
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -589,7 +589,7 @@ def _by_kind(path, leaf):
   return int(jax.tree_util.keystr(path).endswith("['w']"))
 
 
-@pytest.mark.parametrize("name", list(_STREAM_CASES))
+@pytest.mark.parametrize("name", smoke(list(_STREAM_CASES), {"delay-alpha", "int4-ef"}))
 def test_streaming_diloco_equals_a_plain_loop_over_replicas(name):
   H, frags, tau, alpha, compress, ef, outer = _STREAM_CASES[name]
   params, shards = _stream_setup()
@@ -806,7 +806,7 @@ def test_streaming_bad_input_names_the_argument():
 # --------------------------------------------------------------------------- peers' own tests, ported
 
 
-@pytest.mark.parametrize("delay,alpha", [(0, 0.0), (0, 0.5), (0, 1.0), (1, 0.0), (1, 0.5), (1, 1.0)])
+@pytest.mark.parametrize("delay,alpha", smoke([(0, 0.0), (0, 0.5), (0, 1.0), (1, 0.0), (1, 0.5), (1, 1.0)], {(1, 0.5)}))
 def test_torchft_mocked_updates(delay, alpha):
   """torchft's `DiLoCoMockedUpdateTest.test_diloco_mocked_updates` (torchft/diloco_regression_test.py).
 
