@@ -222,8 +222,15 @@ def diloco_train_step(
   Args:
     step: a `ja.make_train_step` step built on a mesh holding `replica_axis`
       (not one of its data axes); its optimizer is DiLoCo's inner optimizer.
-    outer, sync_every, comm_dtype, fragments, delay, alpha, compress, error_feedback: as for `ja.diloco`.
+    outer: the outer optimizer, as for `ja.diloco`.
+    sync_every: H, as for `ja.diloco`.
     replica_axis: the slow mesh axis the replicas lie on.
+    comm_dtype: as for `ja.diloco`.
+    fragments: as for `ja.diloco`.
+    delay: as for `ja.diloco`.
+    alpha: as for `ja.diloco`.
+    compress: as for `ja.diloco`.
+    error_feedback: as for `ja.diloco`.
 
   Returns:
     A `DiLoCoTrainStep`: `init(params[, state])`, then
