@@ -147,7 +147,7 @@ def reference(option, params, batch, state, key, devices):
   return out
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", smoke(STRATEGIES, {"none", "ddp", "fsdp"}))
 @pytest.mark.parametrize("option", OPTIONS)
 def test_every_option_under_every_strategy(option, strategy):
   kwargs, mesh, axis, batch, state, key = setup(option, strategy)
@@ -206,7 +206,7 @@ def _mesh(kind, shape=(8,), names=("data",)):
 
 
 @pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "hsdp"])
+@pytest.mark.parametrize("strategy", smoke(["ddp", "zero1", "fsdp", "hsdp"], {"ddp", "fsdp"}))
 def test_model_sharding_kept_by_every_strategy(strategy, kind):
   """A tensor-parallel leaf placed P(None, "model") comes back with it (and stays exact), Auto and Explicit."""
   if strategy == "hsdp":

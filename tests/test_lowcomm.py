@@ -263,7 +263,7 @@ def _shard_map_trainer(tx, params, shards):
   return step, _rep(params), _rep(tx.init(params))
 
 
-@pytest.mark.parametrize("name", ["local_sgd", "diloco", "stale"])
+@pytest.mark.parametrize("name", smoke(["local_sgd", "diloco", "stale"], {"diloco"}))
 def test_converges_on_8_devices_under_shard_map(name):
   params, full, shards = _setup()
   tx = {

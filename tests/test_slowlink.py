@@ -152,6 +152,7 @@ def test_bad_input_names_the_argument():
     dstep(p, s, jax.tree.map(lambda a: a[:12], batch))
 
 
+@pytest.mark.slow  # a wrapped has_state step: one more compile (.ci/run's slow step)
 def test_model_state_and_key_per_replica():
   """Model state goes through per replica; a key is folded with the replica index (replicas draw differently)."""
   params, batch = _setup()
