@@ -63,6 +63,8 @@ class DiLoCoTrainStep:
   Arguments and results are those of the wrapped step, with a leading replica
   dimension of size R on parameters, model state, optimizer state and on each
   metric; the batch keeps its rows (split over the replica axis first).
+  The inputs' buffers are donated as `make_train_step`'s are: passing arrays a
+  previous call consumed is the same `ValueError` (`train_step.check_not_donated`).
   """
 
   def __init__(self, cfg: _engine.Config, arg_names: tuple[str, ...], replica_axis: str, replicas: int):
@@ -131,6 +133,7 @@ class DiLoCoTrainStep:
     for name in names[:-1]:
       if name not in named:
         raise TypeError(f"the step takes ({', '.join(names)}): {name} is missing")
+    train_step.check_not_donated(named, names)
     for name in names:
       if name in ("batch", "key"):
         continue

@@ -266,3 +266,34 @@ def test_one_replica_skipping_holds_its_inner_step_only(name):
     chex_close(s, want_s)
   np.testing.assert_array_equal(np.asarray(s.inner_state[0].count), [2 * sync_every + 1, 2 * sync_every])
   assert int(np.asarray(s.sync_count)[0]) == int(np.asarray(s.sync_count)[1]) > 0
+
+
+_DONATED = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, optax
+import jaxaccum as ja
+mesh = jax.make_mesh((2, 4), ("replica", "data"))
+loss = lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+params = {"w": jnp.ones((3, 2))}
+batch = (jnp.ones((16, 3)), jnp.zeros((16, 2)))
+step = ja.diloco_train_step(ja.make_train_step(loss, optax.sgd(0.1), mesh=mesh, data_axis="data"), optax.sgd(1.0), 2)
+p, s = step.init(params)
+step(p, s, batch)
+try:
+  step(p, s, batch)  # p and s were donated to the first call
+except ValueError as e:
+  print("ValueError:", e)
+  sys.exit(0)
+sys.exit(3)
+"""
+
+
+def test_calling_again_with_donated_arrays_is_a_value_error_not_a_crash():
+  # A subprocess: before the shared guard, the second call segfaulted the interpreter (issue 31).
+  import subprocess
+  import sys
+
+  out = subprocess.run([sys.executable, "-c", _DONATED], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
+  assert "params['w'] was deleted: it was donated to a previous call" in out.stdout
