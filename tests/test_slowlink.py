@@ -297,3 +297,33 @@ def test_calling_again_with_donated_arrays_is_a_value_error_not_a_crash():
   out = subprocess.run([sys.executable, "-c", _DONATED], capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
   assert "params['w'] was deleted: it was donated to a previous call" in out.stdout
+
+
+def _peak(compiled) -> int:
+  m = compiled.memory_analysis()
+  return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+@pytest.mark.parametrize("strategy", ["fsdp"])
+def test_fsdp_inside_each_replica_keeps_its_buffers_sharded(strategy):
+  # Issue 33 item 1: every per-replica buffer stays laid out as the step lays it (over "data"), and the
+  # per-device peak is the bare step's plus DiLoCo's own buffers (anchor, momentum, one Delta) / data size.
+  d = 256
+  params = {"w0": jnp.full((d, d), 0.01), "w1": jnp.full((d, d), 0.01)}
+  loss = lambda p, b: jnp.mean((jnp.tanh(b[0] @ p["w0"]) @ p["w1"] - b[1]) ** 2)
+  batch = (jnp.ones((16, d)), jnp.zeros((16, d)))
+  one = jax.make_mesh((DATA,), ("data",), devices=jax.devices()[:DATA], axis_types=(jax.sharding.AxisType.Explicit,))
+  bare = ja.make_train_step(loss, optax.adamw(1e-3), mesh=one, strategy=strategy)
+  bp, bs = ja.shard_train_state(params, optax.adamw(1e-3), one, strategy=strategy)
+  bare_peak = _peak(bare.lower(bp, bs, (batch[0][:8], batch[1][:8])).compile())
+  step = ja.make_train_step(loss, optax.adamw(1e-3), mesh=_mesh(), strategy=strategy)
+  dstep = ja.diloco_train_step(step, optax.sgd(0.7, momentum=0.9, nesterov=True), 4)
+  p, s = dstep.init(params)
+  compiled = dstep.lower(p, s, batch).compile()
+  param_bytes = 2 * d * d * 8
+  assert _peak(compiled) <= bare_peak + 3 * param_bytes / DATA
+  for _ in range(2):
+    for leaf in jax.tree.leaves((p, s.anchor, s.outer_state, s.inner_state[0].mu)):
+      assert leaf.sharding.spec[:2] == ("replica", "data"), leaf.sharding
+      assert leaf.addressable_shards[0].data.shape == (1, d // DATA, d)
+    p, s, _ = dstep(p, s, batch)
