@@ -26,7 +26,7 @@ import numpy as np
 import optax
 
 from jaxaccum import _lowcomm_util as util
-from jaxaccum import _quantize, _tree, parallel
+from jaxaccum import _quantize, _sparse, _tree, parallel
 
 
 class DiLoCoState(NamedTuple):
@@ -52,7 +52,7 @@ class Config(NamedTuple):
   fragments: int | Callable[[Any, Any], int]  # F, or fn(path, leaf) -> fragment index
   delay: int  # tau
   alpha: float  # the weight of the local parameters in a merge
-  compress: str | None  # one of _quantize.COMPRESS
+  compress: Any  # one of _quantize.COMPRESS, or a _sparse.TopK
   error_feedback: bool  # keep each replica's residual per fragment
 
 
@@ -74,8 +74,19 @@ def configure(inner, outer, sync_every, axis_name, comm_dtype, fragments, delay,
   elif delay < 0:
     raise ValueError(f"{delay=} must be an integer >= 0")
   alpha = check_alpha(alpha)
-  if not isinstance(compress, (str, type(None))) or compress not in _quantize.COMPRESS:
-    raise ValueError(f"{compress=} is not one of {_quantize.COMPRESS[1:]} (or None: no compression)")
+  if compress == "topk":
+    compress = _sparse.TopK()
+  if not isinstance(compress, _sparse.TopK) and (
+    not isinstance(compress, (str, type(None))) or compress not in _quantize.COMPRESS
+  ):
+    raise ValueError(
+      f"{compress=} is not one of {_quantize.COMPRESS[1:]}, 'topk' or a ja.TopK(...) (or None: no compression)"
+    )
+  if isinstance(compress, _sparse.TopK) and error_feedback is not True:
+    raise ValueError(
+      f"{error_feedback=} with compress={compress}: the sparse wire sends a few values of each chunk and "
+      "its error-feedback accumulator keeps the rest (SparseLoCo); pass error_feedback=True"
+    )
   if compress is not None and comm_dtype is not None:
     raise ValueError(f"{comm_dtype=} and {compress=} both choose the wire: give one")
   if not isinstance(error_feedback, bool):
@@ -169,6 +180,8 @@ class Layout(NamedTuple):
 def layout(cfg: Config, params, check: bool) -> Layout:
   """The fragments of `params`; `check` raises the schedule's ValueErrors for a function's F."""
   num, index = fragment_of_leaves(cfg.fragments, params)
+  if isinstance(cfg.compress, _sparse.TopK):
+    cfg.compress.check_leaves(params)
   if check and callable(cfg.fragments):
     name = getattr(cfg.fragments, "__name__", cfg.fragments)
     check_schedule(cfg.sync_every, num, cfg.delay, f" returned by fragments={name}")
@@ -193,13 +206,17 @@ def prepare(anchor: list, source: list, residual, axis_name, replicas: int, comp
   """One fragment's outer gradient on the wire, per replica: (Delta, new residual or None).
 
   x_p = anchor - source_p (+ residual_p); c_p = C(x_p); Delta = mean_p c_p as
-  the wire computes it; residual_p <- x_p - c_p. Lists of the fragment's
+  the wire computes it; residual_p <- x_p - c_p (with `ja.TopK`, x_p adds
+  beta * residual_p: SparseLoCo's decayed accumulator). Lists of the fragment's
   leaves; `residual=None` is no error feedback. A plain function of its
   arguments, for wrappers that run the per-replica step themselves.
   """
   x = [a - s for a, s in zip(anchor, source, strict=True)]
-  if residual is not None:
+  beta = compress.beta if isinstance(compress, _sparse.TopK) else 1.0
+  if residual is not None and beta == 1.0:
     x = [v + e for v, e in zip(x, residual, strict=True)]
+  elif residual is not None:  # SparseLoCo's e <- beta e + Delta
+    x = [v + beta * e for v, e in zip(x, residual, strict=True)]
   delta, sent = _quantize.wire_mean(x, axis_name, replicas, compress, comm_dtype)
   return delta, None if residual is None else [v - c for v, c in zip(x, sent, strict=True)]
 

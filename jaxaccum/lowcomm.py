@@ -45,9 +45,10 @@ import optax
 from jaxaccum import _diloco
 from jaxaccum._diloco import DiLoCoState
 from jaxaccum._local_sgd import LocalSGDState, local_sgd
+from jaxaccum._sparse import TopK
 from jaxaccum._stale import StaleState, stale
 
-__all__ = ["DiLoCoState", "LocalSGDState", "StaleState", "diloco", "local_sgd", "stale"]
+__all__ = ["DiLoCoState", "LocalSGDState", "StaleState", "TopK", "diloco", "local_sgd", "stale"]
 
 
 def diloco(
@@ -60,7 +61,7 @@ def diloco(
   fragments: int | Callable[[Any, Any], int] = 1,
   delay: int = 0,
   alpha: float = 0.0,
-  compress: str | None = None,
+  compress: str | TopK | None = None,
   error_feedback: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """(Streaming) DiLoCo: local `inner` steps; each parameter fragment gets an `outer` step every H updates.
@@ -104,6 +105,16 @@ def diloco(
   what was sent tracks the sum of the true outer gradients within one
   quantisation step (|e| <= s_j / 2).
 
+  The sparse wire, `compress=ja.TopK(density, chunk, bits, beta)` (or
+  "topk" for its defaults) with `error_feedback=True`, is SparseLoCo (Sarfi
+  et al., arXiv 2508.15706): e_p <- beta e_p + x_p; c_p = Q(TopK(e_p)), the
+  k = round(density C) largest |e| of each chunk of C elements, b-bit values
+  with a bfloat16 scale per chunk, indices local to the chunk; e_p <- e_p -
+  c_p; the replicas all-gather the bit-packed payloads and each sums them,
+  Delta = (1/P) sum_p c_p. The accumulator replaces outer momentum: use
+  `outer=optax.sgd(1.0)` (plain averaging), as the paper does. See
+  `jaxaccum._sparse` for the exact code and the bytes.
+
   Usage and sharding as for `local_sgd`: inside `jax.shard_map`/`jax.pmap` over
   `axis_name`, params and state per replica. State: the anchor (params-sized),
   one `outer` state per fragment, `inner`'s state, and params-sized buffers for
@@ -126,7 +137,8 @@ def diloco(
     delay: tau, an int in [0, H / F): updates between preparing and merging.
     alpha: the weight of the local parameters in a merge, in [0, 1]: 0
       replaces the fragment by the anchor, 1 keeps the local values.
-    compress: None, "bf16", "int8" or "int4" (see above).
+    compress: None, "bf16", "int8", "int4", or the sparse wire `ja.TopK(...)`
+      / "topk" (see above).
     error_feedback: keep each replica's quantisation residual per fragment.
 
   Returns:
@@ -136,7 +148,8 @@ def diloco(
   Raises:
     TypeError/ValueError: as `local_sgd`; a `comm_dtype` that is not floating,
       or given with `compress`; `sync_every` not divisible by F; `delay` < 0
-      or >= H / F; `alpha` outside [0, 1]; an unknown `compress`; a
+      or >= H / F; `alpha` outside [0, 1]; an unknown `compress`; `ja.TopK`
+      without `error_feedback=True`, or with a chunk larger than a leaf; a
       `fragments` function returning a negative or non-int index or leaving
       an index unused (at init, before any state is made).
   """

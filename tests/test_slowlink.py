@@ -61,10 +61,12 @@ _CASES = {
     dict(sync_every=4, fragments=2, delay=1, alpha=0.5, compress="int8", error_feedback=True),
   ),
   "zero1-streaming-int4": ("zero1", 2, dict(sync_every=4, fragments=2, delay=0, alpha=0.25, compress="int4")),
+  # The sparse wire (SparseLoCo): the smallest leaf (b1) holds 4 elements, so chunks of 4.
+  "fsdp-topk": ("fsdp", 1, dict(sync_every=2, compress=ja.TopK(density=0.5, chunk=4, beta=0.9), error_feedback=True)),
 }
 
 
-@pytest.mark.parametrize("name", smoke(list(_CASES), set(list(_CASES)[:1])))
+@pytest.mark.parametrize("name", smoke(list(_CASES), {list(_CASES)[0], "fsdp-topk"}))
 def test_equals_shard_map_with_diloco(name):
   strategy, k, opts = _CASES[name]
   params, batch = _setup()
