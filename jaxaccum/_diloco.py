@@ -155,24 +155,24 @@ class Layout(NamedTuple):
   """Which fragment each leaf belongs to: F, each leaf's index (`jax.tree.leaves` order), the params' treedef."""
 
   num: int
-  index: tuple[int, ...]
+  fragment_of: tuple[int, ...]  # each leaf's fragment
   treedef: Any
 
   def pick(self, leaves: list, f: int) -> list:
     """Fragment f's leaves of a params-shaped tree's leaves (`jax.tree.leaves` order)."""
-    return [x for x, i in zip(leaves, self.index, strict=True) if i == f]
+    return [x for x, i in zip(leaves, self.fragment_of, strict=True) if i == f]
 
   def put(self, leaves: list, f: int, new: list) -> list:
     """`leaves` with fragment f's replaced by `new`."""
     it = iter(new)
-    return [next(it) if i == f else x for x, i in zip(leaves, self.index, strict=True)]
+    return [next(it) if i == f else x for x, i in zip(leaves, self.fragment_of, strict=True)]
 
   def like(self, f: int) -> Callable[[list], Any]:
     """leaves -> the params' structure with fragment f's leaves and None elsewhere (the tree `outer` sees)."""
 
     def like(leaves):
       it = iter(leaves)
-      return self.treedef.unflatten([next(it) if i == f else None for i in self.index])
+      return self.treedef.unflatten([next(it) if i == f else None for i in self.fragment_of])
 
     return like
 
@@ -325,7 +325,7 @@ def update(cfg: Config, grads, state: DiLoCoState, params, inner_applied, extra_
   call = Call(cfg, lay, size, state.local_step + 1, run)
   flight_l = jax.tree.leaves(state.in_flight) if cfg.delay else None
   resid_l = jax.tree.leaves(state.residual) if cfg.error_feedback else None
-  if cfg.delay:
+  if flight_l is not None:  # tau >= 1
     flight_l, resid_l = send_early(call, state, params, flight_l, resid_l)
   local, inner_state = inner_update(cfg.inner, inner_applied, grads, state.inner_state, params, extra_args)
   local_l, anchor_l = jax.tree.leaves(local), jax.tree.leaves(state.anchor)
