@@ -104,6 +104,12 @@ def chex_close(a, b):
     (dict(), {("all-reduce", "branch"): 1}),
     # per fragment: one max-all-reduce of the block scales and one of the int8 codes (summed in int8)
     (dict(fragments=2, delay=1, alpha=0.5, compress="int4", error_feedback=True), {("all-reduce", "branch"): 4}),
+    # the sparse wire: per fragment one all-gather of the packed payloads
+    pytest.param(
+      dict(fragments=2, compress=ja.TopK(chunk=4, density=0.5), error_feedback=True),
+      {("all-gather", "branch"): 2},
+      marks=pytest.mark.slow,
+    ),
   ],
 )
 def test_only_diloco_collectives_cross_the_replica_axis(opts, want):

@@ -101,12 +101,13 @@ def test_pack_round_trips_and_payload_is_one_tight_all_gather():
   spec = ja.TopK(density=2 / 64, chunk=64, bits=2)
   params = {"w": np.zeros((64, 64)), "v": np.zeros((640,))}
   tx = ja.diloco(optax.sgd(0.1), optax.sgd(1.0), 4, axis_name="r", compress=spec, error_feedback=True)
-  text = _step(tx).lower(_stack(params), _stack(tx.init(params)), _stack(params)).compile().as_text()
-  found = _hlo.collectives(text, num_devices=REPLICAS)
+  compiled = _step(tx).lower(_stack(params), _stack(tx.init(params)), _stack(params)).compile()
+  found = _hlo.collectives(compiled.as_text(), num_devices=REPLICAS)
   assert [(c.opcode, c.where) for c in found] == [("all-gather", "branch")], found
   # Per chunk of 64: 2 indices of 6 bits, 2 codes of 2 bits, a 16-bit scale: 4 bytes.
   chunks = (64 * 64 + 640) // 64
   assert found[0].ring_bytes == (REPLICAS - 1) * 4 * chunks
+  assert ja.collective_bytes(compiled) == {"all-gather": (REPLICAS - 1) * 4 * chunks}  # when it runs: per sync
   float32_all_reduce = 2 * (REPLICAS - 1) / REPLICAS * 4 * (64 * 64 + 640)
   assert float32_all_reduce / found[0].ring_bytes == 32.0  # x H = 32 -> 1024x fewer bytes than ddp
 
