@@ -50,6 +50,10 @@ from jaxaccum._stale import StaleState, stale
 
 __all__ = ["DiLoCoState", "LocalSGDState", "StaleState", "TopK", "diloco", "local_sgd", "stale"]
 
+# Public under this module's name (the API reference groups names by the module that shows them).
+for _obj in (DiLoCoState, LocalSGDState, StaleState, TopK, local_sgd, stale):
+  _obj.__module__ = __name__
+
 
 def diloco(
   inner: optax.GradientTransformation,
