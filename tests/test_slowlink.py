@@ -312,26 +312,34 @@ def _peak(compiled) -> int:
   return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 
-@pytest.mark.parametrize("strategy", ["fsdp"])
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("hsdp", marks=pytest.mark.slow)])
 def test_fsdp_inside_each_replica_keeps_its_buffers_sharded(strategy):
-  # Issue 33 item 1: every per-replica buffer stays laid out as the step lays it (over "data"), and the
-  # per-device peak is the bare step's plus DiLoCo's own buffers (anchor, momentum, one Delta) / data size.
+  # Issue 33 item 1: every per-replica buffer stays laid out as the step lays it (over the shard axis), and
+  # the per-device peak is the bare step's plus DiLoCo's own buffers (anchor, momentum, one Delta) / shards.
   d = 256
   params = {"w0": jnp.full((d, d), 0.01), "w1": jnp.full((d, d), 0.01)}
   loss = lambda p, b: jnp.mean((jnp.tanh(b[0] @ p["w0"]) @ p["w1"] - b[1]) ** 2)
   batch = (jnp.ones((16, d)), jnp.zeros((16, d)))
-  one = jax.make_mesh((DATA,), ("data",), devices=jax.devices()[:DATA], axis_types=(jax.sharding.AxisType.Explicit,))
-  bare = ja.make_train_step(loss, optax.adamw(1e-3), mesh=one, strategy=strategy)
-  bp, bs = ja.shard_train_state(params, optax.adamw(1e-3), one, strategy=strategy)
+  explicit = jax.sharding.AxisType.Explicit
+  if strategy == "fsdp":
+    inner_shape, inner_names, data_axis, shards = (DATA,), ("data",), "data", DATA
+  else:  # hsdp: replicated over "rep", sharded over "shard", inside each DiLoCo replica
+    inner_shape, inner_names, data_axis, shards = (2, 2), ("rep", "shard"), ("rep", "shard"), 2
+  one = jax.make_mesh(inner_shape, inner_names, devices=jax.devices()[:DATA], axis_types=(explicit,) * len(inner_names))
+  bare = ja.make_train_step(loss, optax.adamw(1e-3), mesh=one, data_axis=data_axis, strategy=strategy)
+  bp, bs = ja.shard_train_state(params, optax.adamw(1e-3), one, strategy=strategy, data_axis=data_axis)
   bare_peak = _peak(bare.lower(bp, bs, (batch[0][:8], batch[1][:8])).compile())
-  step = ja.make_train_step(loss, optax.adamw(1e-3), mesh=_mesh(), strategy=strategy)
+  names = ("replica", *inner_names)
+  mesh = jax.make_mesh((REPLICAS, *inner_shape), names, axis_types=(explicit,) * len(names))
+  step = ja.make_train_step(loss, optax.adamw(1e-3), mesh=mesh, data_axis=data_axis, strategy=strategy)
   dstep = ja.diloco_train_step(step, optax.sgd(0.7, momentum=0.9, nesterov=True), 4)
   p, s = dstep.init(params)
   compiled = dstep.lower(p, s, batch).compile()
   param_bytes = 2 * d * d * 8
-  assert _peak(compiled) <= bare_peak + 3 * param_bytes / DATA
+  assert _peak(compiled) <= bare_peak + 3 * param_bytes / shards
+  shard_axis = inner_names[-1]
   for _ in range(2):
     for leaf in jax.tree.leaves((p, s.anchor, s.outer_state, s.inner_state[0].mu)):
-      assert leaf.sharding.spec[:2] == ("replica", "data"), leaf.sharding
-      assert leaf.addressable_shards[0].data.shape == (1, d // DATA, d)
+      assert leaf.sharding.spec[:2] == ("replica", shard_axis), leaf.sharding
+      assert leaf.addressable_shards[0].data.shape == (1, d // shards, d)
     p, s, _ = dstep(p, s, batch)

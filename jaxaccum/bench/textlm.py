@@ -221,7 +221,7 @@ def _train(name, row, loss, inner, params, batches, devices):
 def run(quick: bool = False, **sizes) -> dict:
   """The bytes-vs-loss section; `sizes` overrides the quick/full sizes (dim, layers, heads, seq, rows, steps, ...)."""
   cfg: dict[str, Any] = (
-    dict(dim=16, layers=1, heads=2, seq=16, rows=2, steps=16, sync_every=4, limit=100_000, eval_rows=16, chunk=16)
+    dict(dim=16, layers=1, heads=2, seq=16, rows=2, steps=16, sync_every=8, limit=100_000, eval_rows=16, chunk=16)
     if quick
     else dict(
       dim=64, layers=2, heads=4, seq=64, rows=4, steps=512, sync_every=32, limit=2_000_000, eval_rows=256, chunk=64
