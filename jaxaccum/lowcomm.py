@@ -27,8 +27,8 @@ land an ulp apart. In float64 that is ~1e-16 relative; `diloco` keeps the exact
 `target` as its anchor, so the difference never accumulates there.
 
 Modules: `_local_sgd`, `_diloco` (its options as a Config, the update as module
-functions, `_quantize` its wire) and `_stale`; this module holds `diloco`'s
-signature and documentation and re-exports the rest.
+functions; `_quantize` and `_sparse` its wires) and `_stale`; this module holds
+`diloco`'s signature and documentation and re-exports the rest.
 
 Cost. On the H-1 updates between synchronizations the all-reduce sits in the
 untaken branch of a `lax.cond` and does not run; the compiled HLO holds no
