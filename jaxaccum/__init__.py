@@ -14,7 +14,7 @@ from jaxaccum import schedules
 from jaxaccum.accumulate import AccumulateState, accumulate, has_updated
 from jaxaccum.distributed import fail_fast
 from jaxaccum.hlo import collective_bytes, count_collectives
-from jaxaccum.lowcomm import diloco, local_sgd, stale
+from jaxaccum.lowcomm import TopK, diloco, local_sgd, stale
 from jaxaccum.microbatch import microbatch, pad_microbatches
 from jaxaccum.noise import (
   AdaScaleState,
@@ -52,6 +52,7 @@ __all__ = [
   "replicate",
   "local_sgd",
   "diloco",
+  "TopK",
   "stale",
   "diloco_train_step",
   "DiLoCoTrainStep",

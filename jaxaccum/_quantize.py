@@ -25,6 +25,9 @@ clipped and |x - c| <= s_j / 2. Unlike a scheme that re-quantises the mean
 (torchft), the only error is each replica's own rounding, which error feedback
 cancels.
 
+`compress=ja.TopK(...)`: SparseLoCo's sparse wire, one all-gather of packed
+top-k payloads (see `jaxaccum._sparse`).
+
 Bytes per element on the wire, for P = 4 replicas (ring all-reduce, relative
 to float32): int8 codes summed in int16: 2 + 4/64 bytes (0.52x); int4 codes
 summed in int8: 1 + 4/64 bytes (0.27x); with float64 scales 8/64 instead of
@@ -38,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
+
+from jaxaccum import _sparse
 
 BLOCK = 64
 QMAX = {"int8": 127, "int4": 7}
@@ -80,7 +85,8 @@ def _explicit_spec(x):
 
 def wire_mean(xs: list, axis_name, replicas: int, compress, comm_dtype):
   """(Delta, sent): the mean over `axis_name` of C(x) for each leaf of `xs`, and this replica's C(x)."""
-  specs = [_explicit_spec(x) for x in xs] if compress in QMAX else []
+  sparse = isinstance(compress, _sparse.TopK)
+  specs = [_explicit_spec(x) for x in xs] if sparse or compress in QMAX else []
   if any(s is not None for s in specs):
     # Blocks of 64 run across the raveled leaf, so across its shards over Explicit axes (e.g. fsdp's
     # "data" within a replica): gather the leaf over those (fast) axes, code it whole, lay the results
@@ -89,6 +95,8 @@ def wire_mean(xs: list, axis_name, replicas: int, compress, comm_dtype):
     delta, sent = wire_mean(whole, axis_name, replicas, compress, comm_dtype)
     back = lambda ys: [y if s is None else jax.sharding.reshard(y, s) for y, s in zip(ys, specs, strict=True)]
     return back(delta), back(sent)
+  if sparse:
+    return _sparse.wire_mean(xs, axis_name, replicas, compress)
   if compress in QMAX:
     qmax = QMAX[compress]
     absmax = [block_absmax(x) for x in xs]

@@ -43,18 +43,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from jaxaccum import _engine, _hlo, lowcomm, train_step
+from jaxaccum import _engine, _hlo, _tree, lowcomm, sharded, train_step
 from jaxaccum._split import leading_size
 
 
 def _head(tree):
-  return jax.tree.map(lambda a: a[0], tree)
+  # A squeeze, not a[0]: indexing lowers to a dynamic slice, across which the partitioner loses the
+  # leaf's sharding over the (auto) data axes and gathers it whole; a squeeze keeps it.
+  return jax.tree.map(lambda a: lax.squeeze(a, (0,)), tree)
 
 
 def _stack(tree):
   return jax.tree.map(lambda a: a[None], tree)
+
+
+def _stacked_spec(x, replica_axis: str) -> PartitionSpec:
+  """A per-replica input's PartitionSpec from its type when it leads with the replica axis, else P(replica_axis)."""
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  if spec is not None and len(spec) and spec[0] == replica_axis:
+    return spec
+  return PartitionSpec(replica_axis)
 
 
 class DiLoCoTrainStep:
@@ -63,6 +73,8 @@ class DiLoCoTrainStep:
   Arguments and results are those of the wrapped step, with a leading replica
   dimension of size R on parameters, model state, optimizer state and on each
   metric; the batch keeps its rows (split over the replica axis first).
+  The inputs' buffers are donated as `make_train_step`'s are: passing arrays a
+  previous call consumed is the same `ValueError` (`train_step.check_not_donated`).
   """
 
   def __init__(self, cfg: _engine.Config, arg_names: tuple[str, ...], replica_axis: str, replicas: int):
@@ -83,15 +95,33 @@ class DiLoCoTrainStep:
       out = (params, state, opt_state, metrics) if has_state else (params, opt_state, metrics)
       return _stack(out)
 
+    explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit]
+    inside = mesh
+    if any(a != replica_axis for a in explicit):
+      # jax 0.10 gathers a leaf sharded over an Explicit axis that a partial-manual shard_map leaves to
+      # the partitioner, whole, at the map's boundary (fsdp's memory would be ddp's). Over the same
+      # devices with those axes Auto, the partitioner keeps the data-axis shards as they come.
+      types = tuple(
+        AxisType.Auto if a != replica_axis else t for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+      )
+      inside = mesh.abstract_mesh.update(axis_types=types)
+
     def fun(*args):
       *front, key = args
       specs = (rep,) * len(front) + (None if key is None else PartitionSpec(),)
       n_out = 4 if has_state else 3
       # Untyped, as the step's own shard_map inside it is (make_train_step runs user code with
       # check_vma=False): a typed outer map would expect replica-varying cotangents from an untyped body.
-      return jax.shard_map(
-        body, mesh=mesh, in_specs=specs, out_specs=(rep,) * n_out, axis_names={replica_axis}, check_vma=False
+      out = jax.shard_map(
+        body, mesh=inside, in_specs=specs, out_specs=(rep,) * n_out, axis_names={replica_axis}, check_vma=False
       )(*args)
+      if inside is mesh:
+        return out
+      # Back on the step's mesh, each per-replica buffer laid out as it came in (metrics over the replicas).
+      back = lambda y, x: jax.sharding.reshard(y, NamedSharding(mesh, _stacked_spec(x, replica_axis)))
+      return tuple(jax.tree.map(back, y, x) for y, x in zip(out[:-1], front, strict=False)) + (
+        jax.tree.map(lambda y: jax.sharding.reshard(y, NamedSharding(mesh, rep)), out[-1]),
+      )
 
     donate = tuple(range(3 if has_state else 2)) if cfg.donate else ()
     self._jitted = jax.jit(fun, donate_argnums=donate)
@@ -101,9 +131,11 @@ class DiLoCoTrainStep:
       return (params, state, opt_state) if has_state else (params, opt_state)
 
     def start(*trees):
+      # One copy per replica, made on the devices (the caller's arrays are never donated or aliased).
+      trees = jax.tree.map(lambda a: jnp.broadcast_to(a, (replicas, *jnp.shape(a))), trees)
       return jax.shard_map(init, mesh=mesh, in_specs=rep, out_specs=rep, axis_names={replica_axis})(*trees)
 
-    self._init = jax.jit(start)
+    self._start = start
 
   def init(self, params, state=None):
     """(params, opt_state), or (params, state, opt_state) with has_state: every replica starts from `params`.
@@ -115,12 +147,29 @@ class DiLoCoTrainStep:
       raise TypeError("the step has has_state=True: call init(params, state)")
     if not self._cfg.has_state and state is not None:
       raise TypeError("the step has has_state=False: call init(params) (no model state)")
-    sharding = jax.sharding.NamedSharding(self._cfg.mesh, PartitionSpec(self.replica_axis))
-    copies = lambda t: jax.tree.map(
-      lambda a: jax.device_put(jnp.broadcast_to(jnp.asarray(a), (self.replicas, *jnp.shape(a))), sharding), t
-    )
-    trees = (copies(params),) + (() if state is None else (copies(state),))
-    return self._init(*trees)
+    trees = (params,) + (() if state is None else (state,))
+    return jax.jit(self._start, out_shardings=self.layout(params))(*trees)
+
+  def layout(self, params) -> tuple:
+    """The `NamedSharding`s of `init`'s outputs: each per-replica buffer as the wrapped step lays it out.
+
+    The leading replica dimension over the replica axis; the rest as the step's
+    strategy lays one replica's parameters and optimizer state over the data
+    axes (`ja.shard_train_state`'s rule): around fsdp/hsdp the parameters, the
+    inner state and DiLoCo's anchor, outer states, in-flight Delta and residual
+    stay sharded over the data axes, so a replica holds 1/(data size) of each
+    (not ddp's whole copy). Model state is replicated within a replica.
+    """
+    cfg, mesh = self._cfg, self._cfg.mesh
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), _tree.dtype_of(x)), params)
+    layouts = sharded._layouts(params, mesh, cfg.plan, placed=False)
+    stacked = lambda spec: jax.sharding.NamedSharding(mesh, PartitionSpec(self.replica_axis, *spec))
+    param_sh = jax.tree.map(lambda lay: stacked(lay.param_spec), layouts, is_leaf=sharded._is_leaf)
+    specs = sharded.state_specs(jax.eval_shape(cfg.optimizer.init, shapes), shapes, layouts, mesh, cfg.plan)
+    state_sh = jax.tree.map(stacked, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if not cfg.has_state:
+      return param_sh, state_sh
+    return param_sh, jax.sharding.NamedSharding(mesh, PartitionSpec(self.replica_axis)), state_sh
 
   def _prepare(self, args, kwargs):
     names = self._arg_names
@@ -131,6 +180,7 @@ class DiLoCoTrainStep:
     for name in names[:-1]:
       if name not in named:
         raise TypeError(f"the step takes ({', '.join(names)}): {name} is missing")
+    train_step.check_not_donated(named, names)
     for name in names:
       if name in ("batch", "key"):
         continue

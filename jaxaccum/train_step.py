@@ -60,6 +60,25 @@ _STATE_HINT = (
 )
 
 
+def check_not_donated(named: dict, arg_names: tuple[str, ...]) -> None:
+  """Raise the documented ValueError if an argument holds a deleted (donated) array.
+
+  One guard for every step object (`TrainStep`, `DiLoCoTrainStep`): a donated
+  buffer belongs to the previous call's outputs, and handing it to XLA again is
+  a use-after-free that kills the interpreter on a multi-device mesh.
+  """
+  for name, tree in named.items():
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+      if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+        outs = ", ".join(n for n in arg_names if n not in ("batch", "key")) + ", metrics"
+        raise ValueError(
+          f"{name}{jax.tree_util.keystr(path)} was deleted: it was donated to a previous call of this "
+          f"step (make_train_step(..., donate=True) gives the buffers of the inputs to the outputs). "
+          f"Use the step's outputs for the next call, rebind: {outs} = step({', '.join(arg_names[:-1])})"
+          ", or build the step with donate=False."
+        )
+
+
 class TrainStep:
   """The step `make_train_step` returns: argument checks in front of one jitted function.
 
@@ -97,16 +116,7 @@ class TrainStep:
     for name in self._arg_names[:-1]:
       if name not in named:
         raise TypeError(f"the step takes ({', '.join(self._arg_names)}): {name} is missing")
-    for name, tree in named.items():
-      for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
-          outs = ", ".join(n for n in self._arg_names if n not in ("batch", "key")) + ", metrics"
-          raise ValueError(
-            f"{name}{jax.tree_util.keystr(path)} was deleted: it was donated to a previous call of this "
-            f"step (make_train_step(..., donate=True) gives the buffers of the inputs to the outputs). "
-            f"Use the step's outputs for the next call, rebind: {outs} = step({', '.join(self._arg_names[:-1])})"
-            ", or build the step with donate=False."
-          )
+    check_not_donated(named, self._arg_names)
     cfg, key = self._cfg, named.get("key")
     head = (None,) * (self._arg_names.index("batch") - 1 if cfg.has_state else 1)
     check_binds(cfg.loss_fn, "loss_fn", head + (None,) * (1 if key is None else 2), {}, self._hint)

@@ -61,10 +61,12 @@ _CASES = {
     dict(sync_every=4, fragments=2, delay=1, alpha=0.5, compress="int8", error_feedback=True),
   ),
   "zero1-streaming-int4": ("zero1", 2, dict(sync_every=4, fragments=2, delay=0, alpha=0.25, compress="int4")),
+  # The sparse wire (SparseLoCo): the smallest leaf (b1) holds 4 elements, so chunks of 4.
+  "fsdp-topk": ("fsdp", 1, dict(sync_every=2, compress=ja.TopK(density=0.5, chunk=4, beta=0.9), error_feedback=True)),
 }
 
 
-@pytest.mark.parametrize("name", smoke(list(_CASES), set(list(_CASES)[:1])))
+@pytest.mark.parametrize("name", smoke(list(_CASES), {list(_CASES)[0], "fsdp-topk"}))
 def test_equals_shard_map_with_diloco(name):
   strategy, k, opts = _CASES[name]
   params, batch = _setup()
@@ -102,6 +104,12 @@ def chex_close(a, b):
     (dict(), {("all-reduce", "branch"): 1}),
     # per fragment: one max-all-reduce of the block scales and one of the int8 codes (summed in int8)
     (dict(fragments=2, delay=1, alpha=0.5, compress="int4", error_feedback=True), {("all-reduce", "branch"): 4}),
+    # the sparse wire: per fragment one all-gather of the packed payloads
+    pytest.param(
+      dict(fragments=2, compress=ja.TopK(chunk=4, density=0.5), error_feedback=True),
+      {("all-gather", "branch"): 2},
+      marks=pytest.mark.slow,
+    ),
   ],
 )
 def test_only_diloco_collectives_cross_the_replica_axis(opts, want):
@@ -266,3 +274,72 @@ def test_one_replica_skipping_holds_its_inner_step_only(name):
     chex_close(s, want_s)
   np.testing.assert_array_equal(np.asarray(s.inner_state[0].count), [2 * sync_every + 1, 2 * sync_every])
   assert int(np.asarray(s.sync_count)[0]) == int(np.asarray(s.sync_count)[1]) > 0
+
+
+_DONATED = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, jax.numpy as jnp, optax
+import jaxaccum as ja
+mesh = jax.make_mesh((2, 4), ("replica", "data"))
+loss = lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2)
+params = {"w": jnp.ones((3, 2))}
+batch = (jnp.ones((16, 3)), jnp.zeros((16, 2)))
+step = ja.diloco_train_step(ja.make_train_step(loss, optax.sgd(0.1), mesh=mesh, data_axis="data"), optax.sgd(1.0), 2)
+p, s = step.init(params)
+step(p, s, batch)
+try:
+  step(p, s, batch)  # p and s were donated to the first call
+except ValueError as e:
+  print("ValueError:", e)
+  sys.exit(0)
+sys.exit(3)
+"""
+
+
+def test_calling_again_with_donated_arrays_is_a_value_error_not_a_crash():
+  # A subprocess: before the shared guard, the second call segfaulted the interpreter (issue 31).
+  import subprocess
+  import sys
+
+  out = subprocess.run([sys.executable, "-c", _DONATED], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, (out.returncode, out.stdout, out.stderr[-2000:])
+  assert "params['w'] was deleted: it was donated to a previous call" in out.stdout
+
+
+def _peak(compiled) -> int:
+  m = compiled.memory_analysis()
+  return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("hsdp", marks=pytest.mark.slow)])
+def test_fsdp_inside_each_replica_keeps_its_buffers_sharded(strategy):
+  # Issue 33 item 1: every per-replica buffer stays laid out as the step lays it (over the shard axis), and
+  # the per-device peak is the bare step's plus DiLoCo's own buffers (anchor, momentum, one Delta) / shards.
+  d = 256
+  params = {"w0": jnp.full((d, d), 0.01), "w1": jnp.full((d, d), 0.01)}
+  loss = lambda p, b: jnp.mean((jnp.tanh(b[0] @ p["w0"]) @ p["w1"] - b[1]) ** 2)
+  batch = (jnp.ones((16, d)), jnp.zeros((16, d)))
+  explicit = jax.sharding.AxisType.Explicit
+  if strategy == "fsdp":
+    inner_shape, inner_names, data_axis, shards = (DATA,), ("data",), "data", DATA
+  else:  # hsdp: replicated over "rep", sharded over "shard", inside each DiLoCo replica
+    inner_shape, inner_names, data_axis, shards = (2, 2), ("rep", "shard"), ("rep", "shard"), 2
+  one = jax.make_mesh(inner_shape, inner_names, devices=jax.devices()[:DATA], axis_types=(explicit,) * len(inner_names))
+  bare = ja.make_train_step(loss, optax.adamw(1e-3), mesh=one, data_axis=data_axis, strategy=strategy)
+  bp, bs = ja.shard_train_state(params, optax.adamw(1e-3), one, strategy=strategy, data_axis=data_axis)
+  bare_peak = _peak(bare.lower(bp, bs, (batch[0][:8], batch[1][:8])).compile())
+  names = ("replica", *inner_names)
+  mesh = jax.make_mesh((REPLICAS, *inner_shape), names, axis_types=(explicit,) * len(names))
+  step = ja.make_train_step(loss, optax.adamw(1e-3), mesh=mesh, data_axis=data_axis, strategy=strategy)
+  dstep = ja.diloco_train_step(step, optax.sgd(0.7, momentum=0.9, nesterov=True), 4)
+  p, s = dstep.init(params)
+  compiled = dstep.lower(p, s, batch).compile()
+  param_bytes = 2 * d * d * 8
+  assert _peak(compiled) <= bare_peak + 3 * param_bytes / shards
+  shard_axis = inner_names[-1]
+  for _ in range(2):
+    for leaf in jax.tree.leaves((p, s.anchor, s.outer_state, s.inner_state[0].mu)):
+      assert leaf.sharding.spec[:2] == ("replica", shard_axis), leaf.sharding
+      assert leaf.addressable_shards[0].data.shape == (1, d // shards, d)
+    p, s, _ = dstep(p, s, batch)

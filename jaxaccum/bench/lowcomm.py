@@ -140,7 +140,66 @@ def run(quick: bool = False) -> list[dict]:
   sections = [{"title": "lowcomm: all-reduce bytes per 100 updates", "markdown": table, "data": data}]
   from jaxaccum.bench import textlm  # the bytes-vs-loss rows over a replica axis (issue 28)
 
-  return sections + [_streaming(params, batch, ndev, param_bytes, depth, width, quick), textlm.run(quick)]
+  streaming = _streaming(params, batch, ndev, param_bytes, depth, width, quick)
+  return sections + [streaming, fsdp_memory(quick), textlm.run(quick)]
+
+
+def _peak(compiled) -> int:
+  m = compiled.memory_analysis()
+  return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+def fsdp_memory(quick: bool = False) -> dict:
+  """diloco_train_step around fsdp: per-device peak against the bare fsdp step's, from compiled memory analysis."""
+  from jaxaccum import sharded, slowlink, train_step  # noqa: PLC0415
+
+  width, depth, data = (128, 2, 4) if quick else (1024, 4, 4)
+  params = mlp_params(jax.random.PRNGKey(0), width, depth)
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  batch = (jnp.ones((16, width), jnp.float32), jnp.zeros((16, width), jnp.float32))
+  inner, outer = optax.adamw(1e-3), optax.sgd(0.7, momentum=0.9, nesterov=True)
+  one = jax.make_mesh((data,), ("data",), devices=jax.devices()[:data])
+  replicas = jax.make_mesh((2, data), ("replica", "data"), devices=jax.devices()[: 2 * data])
+  rows, cases = [], {}
+  for strategy in ("ddp", "fsdp"):
+    bare = train_step.make_train_step(mlp_loss, inner, mesh=one, strategy=strategy)
+    p, s = sharded.shard_train_state(params, inner, one, strategy=strategy)
+    bare_peak = _peak(bare.lower(p, s, jax.tree.map(lambda a: a[:8], batch)).compile())
+    step = slowlink.diloco_train_step(
+      train_step.make_train_step(mlp_loss, inner, mesh=replicas, strategy=strategy), outer, 32
+    )
+    p, s = step.init(params)
+    peak = _peak(step.lower(p, s, batch).compile())
+    # DiLoCo's own buffers: the anchor, the outer momentum and one outer gradient Delta (params-sized each),
+    # held 1/data per device around fsdp, whole around ddp.
+    own = 3 * param_bytes / (data if strategy == "fsdp" else 1)
+    cases[strategy] = {
+      "bare_peak": bare_peak,
+      "diloco_peak": peak,
+      "diloco_buffers": own,
+      "excess_over_bare_plus_buffers": peak - bare_peak - own,
+      "ratio_without_buffers": (peak - own) / bare_peak,
+    }
+    rows.append(
+      f"| {strategy} | {bare_peak / 2**20:.2f} | {peak / 2**20:.2f} | {own / 2**20:.2f} "
+      f"| {(bare_peak + own) / 2**20:.2f} | {(peak - own) / bare_peak:.3f}x |"
+    )
+  table = "\n".join(
+    [
+      f"MLP {depth}x{width}, float32 params ({param_bytes / 2**20:.1f} MiB), inner AdamW, outer Nesterov, H = 32. "
+      f"Bare: the step on a data={data} mesh; DiLoCo: diloco_train_step around the same strategy on a "
+      f"(replica=2, data={data}) mesh. Per-device peak from compiled memory analysis (arguments + outputs + "
+      "temporaries - aliased). DiLoCo's own buffers: anchor, outer momentum and one outer gradient, divided by the "
+      "data-axis size where the step shards parameters (fsdp).",
+      "",
+      "| strategy inside each replica | bare step peak MiB | DiLoCo peak MiB | DiLoCo's buffers MiB "
+      "| bare + buffers MiB | DiLoCo peak without its buffers / bare |",
+      "|---|---|---|---|---|---|",
+      *rows,
+    ]
+  )
+  data_ = {"width": width, "depth": depth, "data_axis_size": data, "param_bytes": param_bytes, "cases": cases}
+  return {"title": "lowcomm: fsdp inside each replica, per-device peak", "markdown": table, "data": data_}
 
 
 def _wire(hlo_text: str, ndev: int) -> tuple[int, float]:
