@@ -62,7 +62,9 @@ class _Gen:
 
   def const(self, shape, kinds=None) -> tuple[Callable[[], Any], str]:
     """A constant of a random kind: (a getter called while tracing, its label)."""
-    kinds = kinds or ["f64", "f64", "f32", "int", "bool", "jnp", "asarray"] + (["npscalar", "py"] if shape == () else [])
+    kinds = kinds or ["f64", "f64", "f32", "int", "bool", "jnp", "asarray"] + (
+      ["npscalar", "py"] if shape == () else []
+    )
     kind = self.py.choice(kinds)
     c = self.rng.uniform(-1.0, 1.0, size=shape) + (0.2 if shape == () else 0.0)
     label = f"{kind}{list(shape)}"
@@ -161,7 +163,9 @@ class _Gen:
     if t == "chain":
       c, lab = self.const((D, D))
       r, rlab = self.const((2 * D,), ["f64", "f32", "jnp"])
-      return (lambda w: ((w.T * c()).reshape(D // 2, 2 * D) * r()).reshape(D, D)), f"((w.T * {lab}).reshape(4,16) * {rlab}).reshape(8,8)"
+      return (
+        lambda w: ((w.T * c()).reshape(D // 2, 2 * D) * r()).reshape(D, D)
+      ), f"((w.T * {lab}).reshape(4,16) * {rlab}).reshape(8,8)"
     if t == "where":
       how = self.py.choice(["wc", "cw", "w0", "self"])
       m = self.mask((D, D))
@@ -175,11 +179,18 @@ class _Gen:
       return (lambda w: jnp.where(m, c(), w)), f"where(np_bool, {lab}, w)"
     if t == "index":
       idx = self.index(D)
-      how = self.py.choice(["rows", "cols", "take"])
+      how = self.py.choice(["rows", "cols", "take", "gather", "uint"])
       if how == "rows":
         return (lambda w: w[idx]), "w[np_idx]"
       if how == "cols":
         return (lambda w: w[:, idx]), "w[:, np_idx]"
+      if how == "uint":
+        u = idx.astype(np.uint32)
+        return (lambda w: w[u]), "w[np_uint_idx]"
+      if how == "gather":  # the NumPy array read as is (jnp indexing normalises it with traced ops first)
+        dn = lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
+        mode = lax.GatherScatterMode.PROMISE_IN_BOUNDS
+        return (lambda w: lax.gather(w, idx[:, None], dn, (1, D), mode=mode)), "lax.gather(w, np_idx)"
       return (lambda w: jnp.take(w, idx, axis=1)), "take(w, np_idx, 1)"
     if t == "concat":
       how = self.py.choice(["const", "self", "stride"])
@@ -233,7 +244,9 @@ class _Gen:
       return (lambda w: jax.jit(inner)(w)), f"jit({ilab})"
     if t == "dynslice":
       start = np.int64(self.py.randrange(D + 1))
-      return (lambda w: lax.dynamic_slice(jnp.pad(w, ((0, D), (0, 0))), (start, np.int64(0)), (D, D))), f"dynamic_slice(pad(w), {start})"
+      return (
+        lambda w: lax.dynamic_slice(jnp.pad(w, ((0, D), (0, 0))), (start, np.int64(0)), (D, D))
+      ), f"dynamic_slice(pad(w), {start})"
     if t == "einsum":
       c, lab = self.const((D, D), ["f64", "f32", "jnp", "asarray"])
       return (lambda w: jnp.einsum("ij,kj->ik", c(), w) / 4), f"einsum('ij,kj', {lab}, w)"
@@ -422,7 +435,9 @@ def layerwise_value_and_grad(loss, params, dims, x, y, check_vma=False):
   from jaxaccum._layerwise import layerwise
 
   is_none = lambda d: d is None
-  specs = jax.tree.map(lambda d: PartitionSpec() if d is None else PartitionSpec(*[None] * d, "data"), dims, is_leaf=is_none)
+  specs = jax.tree.map(
+    lambda d: PartitionSpec() if d is None else PartitionSpec(*[None] * d, "data"), dims, is_leaf=is_none
+  )
   flat_dims = jax.tree.leaves(dims, is_leaf=is_none)
   f = layerwise(loss, dims, "data", P)
 
