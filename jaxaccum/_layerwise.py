@@ -531,7 +531,7 @@ def _scan(ctx, eqn, invals):
       x_specs.append((x.dim - 1, x.chain, tuple(x.other[1:])))
     else:
       if isinstance(x, _Lazy):
-        why = "stacked on its sharded axis" if x.dim == 0 else "not elementwise before the loop"
+        why = "sharded on the layer axis" if x.dim == 0 else "read through a non-elementwise chain"
         _note("scan", f"a stacked parameter {why}, gathered before the loop")
       x_flat.append(_materialize(ctx, x))
       x_specs.append(None)

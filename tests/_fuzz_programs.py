@@ -39,6 +39,23 @@ class Program(NamedTuple):
   ops: tuple  # what it does, one string per step
 
 
+@jax.custom_vjp
+def _linear(x, w):
+  return x @ w
+
+
+def _linear_fwd(x, w):
+  return x @ w, (x, w)
+
+
+def _linear_bwd(res, ct):
+  x, w = res
+  return ct @ w.T, x.T @ ct
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
 class _Gen:
   def __init__(self, seed: int):
     self.seed = seed
@@ -137,7 +154,8 @@ class _Gen:
     """A random (D, D) -> (D, D) function of a weight, reading constants."""
     t = self.py.choice(
       ["mul", "mul", "add", "matmul", "wide", "T", "chain", "where", "index", "concat", "pad", "cumsum", "nonlin",
-       "roll", "tri", "remat", "jit", "dynslice", "einsum", "sort"]
+       "roll", "tri", "remat", "jit", "dynslice", "einsum", "sort", "norm", "clip", "scatter", "stopgrad", "softmax",
+       "relu", "tile", "stack", "outer", "einsum3", "named", "vmap", "cond"]
     )  # fmt: skip
     shape = self.py.choice([(D, D), (D, D), (D,), ()])
     if t == "mul":
@@ -252,6 +270,50 @@ class _Gen:
       return (lambda w: jnp.einsum("ij,kj->ik", c(), w) / 4), f"einsum('ij,kj', {lab}, w)"
     if t == "sort":
       return (lambda w: jnp.sort(w, axis=0)), "sort(w, 0)"
+    if t == "norm":  # weight normalisation
+      return (lambda w: w / jnp.linalg.norm(w, axis=0, keepdims=True)), "w / norm(w, 0)"
+    if t == "clip":
+      lo, hi = self.rng.uniform(-0.6, -0.1, (D, D)), self.rng.uniform(0.1, 0.6, (D,))
+      if self.py.random() < 0.5:
+        return (lambda w: jnp.clip(w, lo, hi)), "clip(w, np_lo, np_hi)"
+      return (lambda w: jnp.maximum(w, lo)), "maximum(w, np_lo)"
+    if t == "scatter":
+      idx = self.rng.permutation(D)[: D // 2]
+      c, lab = self.const((D // 2, D), ["f64", "f32", "jnp", "asarray"])
+      if self.py.random() < 0.5:
+        return (lambda w: w.at[idx].add(c())), f"w.at[np_idx].add({lab})"
+      return (lambda w: w.at[idx].set(c())), f"w.at[np_idx].set({lab})"
+    if t == "stopgrad":
+      c, lab = self.const((D, D), ["f64", "jnp"])
+      return (lambda w: lax.stop_gradient(w) * c() + w), f"stop_gradient(w) * {lab} + w"
+    if t == "softmax":
+      c, lab = self.const((D, D), ["f64", "f32", "jnp"])
+      return (lambda w: jax.nn.softmax(w * c(), axis=-1)), f"softmax(w * {lab})"
+    if t == "relu":  # a custom_jvp function of the parameter
+      return (lambda w: jax.nn.relu(w) + 0.1 * w), "relu(w) + 0.1 w"
+    if t == "tile":
+      if self.py.random() < 0.5:
+        return (lambda w: jnp.tile(w[: D // 2], (2, 1))), "tile(w[:4], (2, 1))"
+      return (lambda w: jnp.repeat(w[:, : D // 2], 2, axis=1)), "repeat(w[:, :4], 2, 1)"
+    if t == "stack":
+      c, lab = self.const((D, D), ["f64", "f32", "jnp", "asarray"])
+      return (lambda w: jnp.stack([w, c()]).mean(0)), f"stack([w, {lab}]).mean(0)"
+    if t == "outer":
+      c, lab = self.const((D,), ["f64", "jnp"])
+      return (lambda w: w + jnp.outer(w.sum(0), c()) / 8), f"w + outer(w.sum(0), {lab}) / 8"
+    if t == "einsum3":
+      c, lab = self.const((D, D), ["f64", "jnp"])
+      return (lambda w: jnp.einsum("ij,jk,kl->il", w, c(), w) / 8), f"einsum(w, {lab}, w)"
+    if t == "named" and depth < 2:
+      inner, lab = self.transform(depth + 1)
+      return (lambda w: jax.named_call(inner, name="block")(w)), f"named_call({lab})"
+    if t == "vmap":
+      c, lab = self.const((D, D), ["f64", "jnp"])
+      return (lambda w: jax.vmap(lambda r, k: r * k + r[::-1])(w, c())), f"vmap(r * k + r[::-1])(w, {lab})"
+    if t == "cond":
+      c, lab = self.const((D, D), ["f64", "jnp"])
+      pred = np.bool_(self.py.random() < 0.5)
+      return (lambda w: lax.cond(pred, lambda w: w * c(), lambda w: w.T, w)), f"cond({pred}, w * {lab}, w.T)"
     return (lambda w: w), "w"
 
   def weight(self) -> tuple[Callable, str]:
@@ -287,11 +349,21 @@ class _Gen:
   def layer(self) -> tuple[Callable, str]:
     kind = self.py.choice(
       ["dense", "dense", "einsum", "scale", "where", "cond", "remat", "scan", "scan", "fori", "cumsum", "concat",
-       "carry"]
+       "carry", "vmap", "map", "custom_vjp", "policy"]
     )  # fmt: skip
     act = self.py.choice([jnp.tanh, jnp.sin])
     if kind == "scan":
       return self.scan_layer(act)
+    if kind in ("vmap", "map"):
+      n = self.leaf((DEPTH, D, D))
+      c, lab = self.const((D, D), ["f64", "f32", "jnp", "asarray"])
+      if kind == "vmap":  # a batched dot_general over the stacked weight
+        return (
+          lambda p, h: jax.vmap(lambda lw: act(h @ (lw * c())))(p[n]).mean(0)
+        ), f"vmap(act(h @ (layer * {lab})))({n}).mean(0)"
+      return (
+        lambda p, h: h + lax.map(lambda lw: act(h @ lw + c()[0]), p[n]).mean(0)
+      ), f"h + lax.map(act(h @ layer + {lab}[0]), {n}).mean(0)"
     w, wlab = self.weight()
     if kind == "dense":
       b, blab = self.bias()
@@ -311,6 +383,13 @@ class _Gen:
       ), f"cond(sum(h) > 0, act(h @ [{wlab}]), h @ [{lab2}] / 2)"
     if kind == "remat":
       return (lambda p, h: jax.checkpoint(lambda p, h: act(h @ w(p)))(p, h)), f"checkpoint(act(h @ [{wlab}]))"
+    if kind == "policy":
+      policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+      return (
+        lambda p, h: jax.checkpoint(lambda p, h: act(h @ w(p)), policy=policy)(p, h)
+      ), f"checkpoint(act(h @ [{wlab}]), dots saveable)"
+    if kind == "custom_vjp":
+      return (lambda p, h: act(_linear(h, w(p)))), f"act(custom_vjp linear(h, [{wlab}]))"
     if kind == "fori":
       c, lab = self.const((D,), ["f64", "jnp", "asarray"])
       return (
@@ -333,8 +412,10 @@ class _Gen:
 
   def scan_layer(self, act) -> tuple[Callable, str]:
     """Layers stacked (DEPTH, D, D) and applied with lax.scan: the stack scaled by a constant, constants in the body."""
-    n = self.leaf((DEPTH, D, D))
-    bn = self.leaf((DEPTH, D), 0.1) if self.py.random() < 0.5 else None
+    depth = self.py.choice([DEPTH, DEPTH, 8])  # 8 layers: the layer axis may be the sharded one
+    n = self.leaf((depth, D, D))
+    bn = self.leaf((depth, D), 0.1) if self.py.random() < 0.5 else None
+    reverse, unroll = self.py.random() < 0.2, self.py.choice([1, 1, 2])
     how = self.py.choice(["plain", "scalar", "py", "array", "add", "tanh"])
     if how == "plain":
       xs, xlab = (lambda p: p[n]), n
@@ -344,10 +425,10 @@ class _Gen:
     elif how == "py":
       xs, xlab = (lambda p: 0.7 * p[n]), f"0.7 * {n}"
     elif how == "array":
-      c, lab = self.const((DEPTH, 1, 1), ["f64", "f32", "jnp", "asarray"])
+      c, lab = self.const((depth, 1, 1), ["f64", "f32", "jnp", "asarray"])
       xs, xlab = (lambda p: p[n] * c()), f"{n} * {lab}"
     elif how == "add":
-      c, lab = self.const((DEPTH, D, D), ["f64", "jnp"])
+      c, lab = self.const((depth, D, D), ["f64", "jnp"])
       xs, xlab = (lambda p: p[n] + 0.1 * c()), f"{n} + 0.1 {lab}"
     else:
       xs, xlab = (lambda p: jnp.tanh(p[n])), f"tanh({n})"
@@ -369,10 +450,11 @@ class _Gen:
           out = out + layer[1]
         return act(out), None
 
-      h, _ = lax.scan(body, h, stacked)
+      h, _ = lax.scan(body, h, stacked, reverse=reverse, unroll=unroll)
       return h
 
-    return apply, f"scan(xs=[{xlab}]{', ' + bn if bn else ''}, body: act(h @ {inside}({clab})))"
+    opts = f", reverse={reverse}, unroll={unroll}"
+    return apply, f"scan(xs=[{xlab}]{', ' + bn if bn else ''}, body: act(h @ {inside}({clab})){opts})"
 
 
 def program(seed: int, layers: int | None = None) -> Program:

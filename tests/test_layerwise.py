@@ -429,3 +429,19 @@ def test_fuzz_under_check_vma_exact():
   """The same programs in a typed shard_map (check_vma=True: JAX pvary's each constant into a traced value)."""
   errs = _fuzz.errors([_fuzz.program(s) for s in range(16)], check_vma=True)
   assert not errs, "\n".join(errs)
+
+
+def test_whole_leaf_fallbacks_reported_per_model_form():
+  """The bench's fallback table (traced, not compiled): which equations keep a whole gathered leaf alive."""
+  from jaxaccum.bench import fsdp
+
+  found = {r["model"]: {(prim, n) for prim, _, n in r["fallbacks"]} for r in fsdp.fallback_table()}
+  assert found == {
+    "listed layers": set(),
+    "a NumPy mask on a weight": set(),
+    "layers stacked, lax.scan, sharded within a layer": set(),
+    "layers stacked, lax.scan, sharded on the layer axis": {("scan", 2)},  # w and b, gathered before the loop
+    "a parameter as a scan's carry": {("scan", 1)},
+    "a fori_loop with a traced trip count": {("while", 1)},
+    'a nested shard_map over "model"': {("shard_map", 1)},
+  }
