@@ -12,11 +12,20 @@ each device's full gradient would give, without ever holding a full-size copy
 of the parameter tree or of its gradient.
 
 How. `loss_fn` is traced once to a jaxpr with full-size abstract parameters,
-then evaluated by a small interpreter. A value derived from one parameter by
-unary operations only (casts, reshapes, transposes, broadcasts) stays *lazy*:
-the shard plus the operations, nothing gathered. At the first equation that
-combines it with anything else (a `dot_general` with the activations, the
-bias `add`), that one equation runs through a `custom_vjp` "gather-and-apply":
+then evaluated equation by equation as `jax.core.eval_jaxpr` does (each bound
+with its own params); the interpreter only decides where a parameter-derived
+value is read. A value computed from one parameter and constants only (a cast,
+a reshape, `w.T * MASK`, `pos + PE`, `w @ PROJ`, `w[np_idx]`, `w * w`) stays
+*lazy*: the shard plus a chain of steps, nothing gathered. A step is the
+equation with its inputs as the evaluation read them: constants (constvars:
+NumPy arrays, closed-over jnp arrays; literals; NumPy and Python scalars) kept
+as they are, a hole where it reads the lazy value. Replaying a chain binds each
+equation with the gathered value in its holes only, never in place of a
+constant: "unary" means one parameter-derived input, not one non-literal
+input. An equation that also reads a traced value (the activations, another
+parameter, a value computed in the trace) is not a step: at the first such
+equation (a `dot_general` with the activations, the bias `add`), that one
+equation runs through a `custom_vjp` "gather-and-apply":
 
 - forward: all-gather the shard, replay the unary operations, apply the
   equation; save the shard (and the equation's other inputs when its
@@ -44,8 +53,15 @@ An equation whose derivative cannot be replayed inside that custom_vjp's
 backward pass (a nested `shard_map`, whose transpose must see the operands
 it was traced with; a `while`) falls back, for that equation alone, to a
 whole-leaf gather differentiated by JAX itself (`_fallback`): exact, the
-gathered leaf possibly alive until the backward pass; `fallbacks()` reports
-which primitives did.
+gathered leaf possibly alive until the backward pass. So does a parameter in
+a scan's carry, or a stacked one the scan cannot slice as a shard (sharded on
+the layer axis; read through a chain that is not elementwise with scalar
+constants), gathered before the loop. `fallbacks(why=True)` reports which
+equations did and why (the bench's fsdp section tabulates it).
+
+Tested by a differential fuzzer (tests/_fuzz_programs.py): seeded random
+programs of what model code does with parameters and constants, against plain
+`jax.grad` in float64.
 
 `scale` (the microbatch's share of the total weight) multiplies each
 parameter's cotangent just before its reduce-scatter: the gradient is
