@@ -352,15 +352,15 @@ def _plain_step(loss, opt, params, batch):
   return optax.apply_updates(params, updates)
 
 
-def _fsdp_step(loss, opt, params, batch, strategy):
-  """One make_train_step update (K=2, per-microbatch gather): fsdp on 8 devices, hsdp on (2, 4)."""
+def _fsdp_step(loss, opt, params, batch, strategy, k=2):
+  """One make_train_step update (K microbatches, per-microbatch gather): fsdp on 8 devices, hsdp on (2, 4)."""
   if strategy == "hsdp":
     mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(AxisType.Auto,) * 2)
     data_axis = ("replica", "data")
   else:
     mesh, data_axis = _mesh(), "data"
   step = ja.make_train_step(
-    loss, opt, num_microbatches=2, mesh=mesh, data_axis=data_axis, strategy=strategy,
+    loss, opt, num_microbatches=k, mesh=mesh, data_axis=data_axis, strategy=strategy,
     fsdp_gather="per_microbatch", donate=False,
   )  # fmt: skip
   p, opt_state = ja.shard_train_state(params, opt, mesh, strategy=strategy, data_axis=data_axis)
@@ -445,3 +445,18 @@ def test_whole_leaf_fallbacks_reported_per_model_form():
     "a fori_loop with a traced trip count": {("while", 1)},
     'a nested shard_map over "model"': {("shard_map", 1)},
   }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+def test_fuzz_through_make_train_step_exact(strategy):
+  """20 fuzz programs side by side through make_train_step (the layout rule picks each leaf's dimension),
+  one microbatch per device: the update of plain SGD(1) is the mean of the 8 devices' gradients (compared
+  as parameters, rtol 1e-10: `p - new` would lose the digits of a gradient far below the parameter)."""
+  params, _, loss = _fuzz.combined([_fuzz.program(s) for s in range(500, 520)])
+  x, y = _fuzz.data(1)
+  _, want = _fuzz.reference_value_and_grad(loss, params, x, y)
+  got = _fsdp_step(lambda p, b: loss(p, b["x"], b["y"]), optax.sgd(1.0), params, {"x": x, "y": y}, strategy, k=1)
+  want = jax.tree.map(lambda p, g: p - g, params, want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-10, atol=1e-12)
