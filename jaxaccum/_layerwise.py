@@ -123,6 +123,32 @@ class _Step(NamedTuple):
 _HOLE = object()
 
 
+class _Const(NamedTuple):
+  """A value of the program computed from constants only (`broadcast 0.0`, an iota mask, index arithmetic).
+
+  Kept as the equation and its inputs, and bound where it is read (`_bind`), in
+  whatever trace reads it: a chain step may then hold it, as it holds a NumPy
+  constant, without closing over a traced value. XLA folds the repeats.
+  """
+
+  eqn: Any
+  args: tuple
+
+  @property
+  def ndim(self) -> int:
+    return self.eqn.outvars[0].aval.ndim
+
+
+# Equations of constants only that are kept as `_Const` (pure array operations, no named axes, no effects).
+_FOLD = frozenset(
+  {
+    *("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "iota", "transpose"),
+    *("concatenate", "pad", "slice", "rev", "select_n", "add", "sub", "mul", "neg", "div", "rem", "max", "min"),
+    *("lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not", "abs", "sign", "clamp", "copy", "copy_p"),
+  }
+)
+
+
 class _Lazy(NamedTuple):
   """A parameter-derived value not yet gathered: `chain` applied to the gathered `shard`."""
 
@@ -190,7 +216,27 @@ def _tie(shard, z):
   return shard + z.astype(shard.dtype)
 
 
+def _value(x):
+  """`x`, a `_Const` bound in the current trace."""
+  if isinstance(x, _Const):
+    return _bind(x.eqn, x.args)[0]
+  return x
+
+
+def _foldable(eqn, invals) -> bool:
+  """Whether `eqn` reads constants only and is kept as a `_Const`."""
+  return (
+    eqn.primitive.name in _FOLD
+    and len(eqn.outvars) == 1
+    and not eqn.effects
+    and not any(isinstance(x, _Lazy) or _traced(x) for x in invals)
+    and all(eqn.params.get(k) is None for k in ("sharding", "out_sharding"))
+  )
+
+
 def _bind(eqn, invals):
+  """`eqn` bound on `invals` as `jax.core.eval_jaxpr` binds it (its own params and context)."""
+  invals = [_value(x) for x in invals]
   params = eqn.primitive.get_bind_params(eqn.params)
   with eqn.ctx.manager:
     out = eqn.primitive.bind(*invals, **params)
@@ -421,7 +467,7 @@ def _gather_whole(ctx, lz: _Lazy):
 def _materialize(ctx, x):
   """A lazy value gathered in full (where it leaves the interpreter or enters an opaque region)."""
   if not isinstance(x, _Lazy):
-    return x
+    return _value(x)
   return _gather_apply(ctx, lambda vals: vals, [x])[0]
 
 
@@ -447,7 +493,9 @@ def _eval(ctx, jaxpr, consts, args) -> list:
     # The parameter-derived inputs, by identity: `w * w` reads one value twice.
     lazy = list({id(x): x for x in invals if isinstance(x, _Lazy)}.values())
     name = eqn.primitive.name
-    if not lazy:
+    if not lazy and _foldable(eqn, invals):
+      outs = [_Const(eqn, tuple(invals))]
+    elif not lazy:
       outs = _bind(eqn, invals)
     elif (
       len(lazy) == 1
@@ -519,7 +567,11 @@ def _remat(ctx, eqn, invals):
 
 def _per_layer(step: _Step) -> bool:
   """Whether a chain step commutes with slicing the layer axis (elementwise, scalar constants only)."""
-  return step.eqn.primitive.name in _ELEMENTWISE and all(a is _HOLE or np.ndim(a) == 0 for a in step.args)
+  return step.eqn.primitive.name in _ELEMENTWISE and all(a is _HOLE or _ndim(a) == 0 for a in step.args)
+
+
+def _ndim(x) -> int:
+  return x.ndim if isinstance(x, _Const) else np.ndim(x)
 
 
 def _scan(ctx, eqn, invals):
