@@ -22,10 +22,14 @@ NumPy arrays, closed-over jnp arrays; literals; NumPy and Python scalars) kept
 as they are, a hole where it reads the lazy value. Replaying a chain binds each
 equation with the gathered value in its holes only, never in place of a
 constant: "unary" means one parameter-derived input, not one non-literal
-input. An equation that also reads a traced value (the activations, another
-parameter, a value computed in the trace) is not a step: at the first such
-equation (a `dot_general` with the activations, the bias `add`), that one
-equation runs through a `custom_vjp` "gather-and-apply":
+input. A value the program computes from constants only (`jnp.where`'s
+broadcast 0.0, `jnp.triu`'s iota mask, jnp's normalisation of a NumPy index
+array, a `pvary` under check_vma) stays a constant too (`_Const`: the equation,
+bound again where it is read), so `where(np_mask, w, 0.0) @ x` is as layerwise
+as `(w * MASK) @ x`. An equation that also reads a traced value (the
+activations, another parameter) is not a step: at the first such equation (a
+`dot_general` with the activations, the bias `add`), that one equation runs
+through a `custom_vjp` "gather-and-apply":
 
 - forward: all-gather the shard, replay the unary operations, apply the
   equation; save the shard (and the equation's other inputs when its
@@ -145,6 +149,7 @@ _FOLD = frozenset(
     *("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "iota", "transpose"),
     *("concatenate", "pad", "slice", "rev", "select_n", "add", "sub", "mul", "neg", "div", "rem", "max", "min"),
     *("lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not", "abs", "sign", "clamp", "copy", "copy_p"),
+    "pvary",  # a typed shard_map (check_vma=True) casts each constant to varying first
   }
 )
 

@@ -460,3 +460,26 @@ def test_fuzz_through_make_train_step_exact(strategy):
   want = jax.tree.map(lambda p, g: p - g, params, want)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-10, atol=1e-12)
+
+
+def test_constant_masks_and_indices_stay_layerwise():
+  """`where(np_mask, w, 0.0)` and `w[np_idx] * MASK`: the constants built in the trace (the broadcast 0.0,
+  the normalised indices) stay constants, so the weight is gathered at its matmul and re-gathered backwards,
+  not gathered once and held from the forward pass to the backward one (5 gathers, not 3)."""
+  mask = np.arange(256).reshape(16, 16) % 3 != 0
+  perm = np.random.default_rng(0).permutation(16)
+  params = _listed(jax.random.PRNGKey(8))[:3]
+  x, y = _data()
+
+  def loss(p, x, y):
+    h = jnp.tanh(x @ p[0]["w"] + p[0]["b"])
+    h = jnp.tanh(h @ jnp.where(mask, p[1]["w"], 0.0) + p[1]["b"])
+    return jnp.mean((h @ (p[2]["w"][perm] * mask) + p[2]["b"] - y) ** 2)
+
+  specs = [{"b": PartitionSpec("data"), "w": PartitionSpec("data")} for _ in params]
+  fn, (value, grads) = _layerwise_grads(loss, params, specs, [0] * 6, x, y)
+  want_value, want = _full_batch(loss, params, x, y)
+  _assert_close(jax.tree.map(lambda g: g / P, grads), want)
+  found = _hlo.collectives(fn.lower(params, x, y).compile().as_text(), num_devices=P)
+  gathers = [c.result_bytes for c in found if c.opcode == "all-gather"]
+  assert gathers.count(16 * 16 * 8) == 5, gathers
