@@ -12,11 +12,24 @@ each device's full gradient would give, without ever holding a full-size copy
 of the parameter tree or of its gradient.
 
 How. `loss_fn` is traced once to a jaxpr with full-size abstract parameters,
-then evaluated by a small interpreter. A value derived from one parameter by
-unary operations only (casts, reshapes, transposes, broadcasts) stays *lazy*:
-the shard plus the operations, nothing gathered. At the first equation that
-combines it with anything else (a `dot_general` with the activations, the
-bias `add`), that one equation runs through a `custom_vjp` "gather-and-apply":
+then evaluated equation by equation as `jax.core.eval_jaxpr` does (each bound
+with its own params); the interpreter only decides where a parameter-derived
+value is read. A value computed from one parameter and constants only (a cast,
+a reshape, `w.T * MASK`, `pos + PE`, `w @ PROJ`, `w[np_idx]`, `w * w`) stays
+*lazy*: the shard plus a chain of steps, nothing gathered. A step is the
+equation with its inputs as the evaluation read them: constants (constvars:
+NumPy arrays, closed-over jnp arrays; literals; NumPy and Python scalars) kept
+as they are, a hole where it reads the lazy value. Replaying a chain binds each
+equation with the gathered value in its holes only, never in place of a
+constant: "unary" means one parameter-derived input, not one non-literal
+input. A value the program computes from constants only (`jnp.where`'s
+broadcast 0.0, `jnp.triu`'s iota mask, jnp's normalisation of a NumPy index
+array, a `pvary` under check_vma) stays a constant too (`_Const`: the equation,
+bound again where it is read), so `where(np_mask, w, 0.0) @ x` is as layerwise
+as `(w * MASK) @ x`. An equation that also reads a traced value (the
+activations, another parameter) is not a step: at the first such equation (a
+`dot_general` with the activations, the bias `add`), that one equation runs
+through a `custom_vjp` "gather-and-apply":
 
 - forward: all-gather the shard, replay the unary operations, apply the
   equation; save the shard (and the equation's other inputs when its
@@ -44,8 +57,15 @@ An equation whose derivative cannot be replayed inside that custom_vjp's
 backward pass (a nested `shard_map`, whose transpose must see the operands
 it was traced with; a `while`) falls back, for that equation alone, to a
 whole-leaf gather differentiated by JAX itself (`_fallback`): exact, the
-gathered leaf possibly alive until the backward pass; `fallbacks()` reports
-which primitives did.
+gathered leaf possibly alive until the backward pass. So does a parameter in
+a scan's carry, or a stacked one the scan cannot slice as a shard (sharded on
+the layer axis; read through a chain that is not elementwise with scalar
+constants), gathered before the loop. `fallbacks(why=True)` reports which
+equations did and why (the bench's fsdp section tabulates it).
+
+Tested by a differential fuzzer (tests/_fuzz_programs.py): seeded random
+programs of what model code does with parameters and constants, against plain
+`jax.grad` in float64.
 
 `scale` (the microbatch's share of the total weight) multiplies each
 parameter's cotangent just before its reduce-scatter: the gradient is
@@ -74,8 +94,15 @@ from jaxaccum import parallel
 # Equations whose VJP needs none of the primal inputs (only their types): the
 # gather-and-apply saves nothing but the shard for them (a bias add).
 _LINEAR = frozenset({"add", "sub", "add_any", "neg"})
-# Unary elementwise operations: they commute with slicing the layer axis of a stacked parameter.
-_ELEMENTWISE = frozenset({"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"})
+# Elementwise operations: with scalar constants only, they commute with slicing the layer axis of a
+# stacked parameter (`layers * 0.5` fed to a scan is sliced as a shard, one layer per iteration).
+_ELEMENTWISE = frozenset(
+  {
+    *("convert_element_type", "copy", "copy_p", "reduce_precision", "neg", "abs", "sign", "square", "sqrt"),
+    *("rsqrt", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sin", "cos", "erf", "integer_pow"),
+    *("add", "sub", "mul", "div", "max", "min", "pow"),
+  }
+)
 # Equations applied to a whole gathered leaf with JAX's own derivative (`_fallback`): a nested
 # `shard_map` (its transpose must see the full operand it was traced with, not a replay inside our
 # custom_vjp's backward pass) and loops whose carry or consts hold a parameter.
@@ -89,12 +116,50 @@ _INLINE = {
 }
 
 
+class _Step(NamedTuple):
+  """One equation of a lazy value's chain, with its inputs as the jaxpr's evaluation read them."""
+
+  eqn: Any
+  args: tuple  # the equation's input values (constants, literals' values), `_HOLE` where it reads the lazy value
+
+
+# Where a chain step reads the parameter-derived value it is replayed on (compared by identity).
+_HOLE = object()
+
+
+class _Const(NamedTuple):
+  """A value of the program computed from constants only (`broadcast 0.0`, an iota mask, index arithmetic).
+
+  Kept as the equation and its inputs, and bound where it is read (`_bind`), in
+  whatever trace reads it: a chain step may then hold it, as it holds a NumPy
+  constant, without closing over a traced value. XLA folds the repeats.
+  """
+
+  eqn: Any
+  args: tuple
+
+  @property
+  def ndim(self) -> int:
+    return self.eqn.outvars[0].aval.ndim
+
+
+# Equations of constants only that are kept as `_Const` (pure array operations, no named axes, no effects).
+_FOLD = frozenset(
+  {
+    *("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "convert_element_type", "iota", "transpose"),
+    *("concatenate", "pad", "slice", "rev", "select_n", "add", "sub", "mul", "neg", "div", "rem", "max", "min"),
+    *("lt", "le", "gt", "ge", "eq", "ne", "and", "or", "not", "abs", "sign", "clamp", "copy", "copy_p"),
+    "pvary",  # a typed shard_map (check_vma=True) casts each constant to varying first
+  }
+)
+
+
 class _Lazy(NamedTuple):
   """A parameter-derived value not yet gathered: `chain` applied to the gathered `shard`."""
 
   shard: Any  # the local block (a traced array)
   dim: int  # the dimension `shard` is a block of
-  chain: tuple  # unary jaxpr equations to replay on the gathered array, in order
+  chain: tuple  # `_Step`s to replay on the gathered array, in order
   other: tuple = ()  # per dimension of `shard`, the other mesh axes (e.g. "model") sharding it, or None
 
 
@@ -118,8 +183,15 @@ def _match_vma(x, target: frozenset):
   return x
 
 
-def _is_dynamic(x) -> bool:
-  return isinstance(x, (jax.Array, jax.core.Tracer))
+def _traced(x) -> bool:
+  """Whether `x` is a value of the trace (an input, an activation): not a constant of the program.
+
+  Constants are everything else a jaxpr's evaluation reads: constvars (NumPy
+  arrays, closed-over concrete jax Arrays), literals' values, NumPy and Python
+  scalars. A chain step may hold constants (they are the same in every replay);
+  a traced value must go through `_gather_apply` as an input with a cotangent.
+  """
+  return isinstance(x, jax.core.Tracer)
 
 
 def _dependence(tree):
@@ -130,7 +202,7 @@ def _dependence(tree):
   the dependence is real and survives to scheduling.
   """
   for x in jax.tree.leaves(tree):
-    if not _is_dynamic(x) or x.size == 0 or not jnp.issubdtype(x.dtype, jnp.floating) or _typed_sharded(x):
+    if not _traced(x) or x.size == 0 or not jnp.issubdtype(x.dtype, jnp.floating) or _typed_sharded(x):
       continue
     s = lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(())
     return -(jnp.abs(jnp.where(jnp.isfinite(s), s, jnp.zeros((), s.dtype))) * jnp.zeros((), s.dtype))
@@ -149,7 +221,27 @@ def _tie(shard, z):
   return shard + z.astype(shard.dtype)
 
 
+def _value(x):
+  """`x`, a `_Const` bound in the current trace."""
+  if isinstance(x, _Const):
+    return _bind(x.eqn, x.args)[0]
+  return x
+
+
+def _foldable(eqn, invals) -> bool:
+  """Whether `eqn` reads constants only and is kept as a `_Const`."""
+  return (
+    eqn.primitive.name in _FOLD
+    and len(eqn.outvars) == 1
+    and not eqn.effects
+    and not any(isinstance(x, _Lazy) or _traced(x) for x in invals)
+    and all(eqn.params.get(k) is None for k in ("sharding", "out_sharding"))
+  )
+
+
 def _bind(eqn, invals):
+  """`eqn` bound on `invals` as `jax.core.eval_jaxpr` binds it (its own params and context)."""
+  invals = [_value(x) for x in invals]
   params = eqn.primitive.get_bind_params(eqn.params)
   with eqn.ctx.manager:
     out = eqn.primitive.bind(*invals, **params)
@@ -161,10 +253,14 @@ def _has_jaxpr(eqn) -> bool:
 
 
 def _replay(chain, x):
-  """Applies the unary equations of a lazy value's chain to `x`."""
-  for eqn in chain:
-    invals = [v.val if isinstance(v, jcore.Literal) else x for v in eqn.invars]
-    (x,) = _bind(eqn, invals)
+  """Applies a lazy value's chain to `x`: each equation bound as JAX binds it, `x` only where it read the value.
+
+  The hook over JAX's own evaluation: a step's other inputs are the constants
+  the evaluation read for them (a NumPy mask, a positional table, a literal),
+  never `x`.
+  """
+  for step in chain:
+    (x,) = _bind(step.eqn, [x if a is _HOLE else a for a in step.args])
   return x
 
 
@@ -236,7 +332,7 @@ def _scatter(ctx, ct, lz, shard):
 def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> list:
   """`fn(values)` where the lazy values of `invals` are gathered inside a custom_vjp (see the module docstring)."""
   lazy_pos = [i for i, x in enumerate(invals) if isinstance(x, _Lazy)]
-  dyn_pos = [i for i, x in enumerate(invals) if not isinstance(x, _Lazy) and _is_dynamic(x)]
+  dyn_pos = [i for i, x in enumerate(invals) if not isinstance(x, _Lazy) and _traced(x)]
   lazies = [invals[i] for i in lazy_pos]
   others_in = tuple(invals[i] for i in dyn_pos)
   other_avals = [jax.typeof(x) for x in others_in]
@@ -294,8 +390,10 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
     if diff_in:
       z = _dependence(ct_shards)
       raw = [_gather(ctx, lz, s, z) for lz, s in zip(lazies, shards, strict=True)]
-      _, vjp_o = jax.vjp(lambda diff_in: g(raw, diff_in), diff_in)
-      (ct_diff,) = vjp_o(cts)
+      # Differentiated in both (the parameters' share unused, dropped by XLA): some transpose rules
+      # assume their operand is linear whenever another input is (`pad`'s padding value).
+      _, vjp_o = jax.vjp(g, raw, diff_in)
+      _, ct_diff = vjp_o(cts)
     it = iter(ct_diff)
     ct_others = tuple(next(it) if d else None for d in diff)
     return tuple(ct_shards), ct_others, None, None
@@ -304,14 +402,33 @@ def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> l
   return list(ga(tuple(lz.shard for lz in lazies), others_in, ctx.keep, ctx.scale))
 
 
-# Which equations fell back to a whole-leaf gather, counted by primitive name at trace time (a debug
-# record for the tests and the bench: `fallbacks()`; `clear_fallbacks()` before a trace).
-_FALLBACKS: dict[str, int] = {}
+# Which equations fell back to a whole-leaf gather, counted by (primitive name, why) at trace time (a
+# debug record for the tests and the bench: `fallbacks()`; `clear_fallbacks()` before a trace).
+_FALLBACKS: dict[tuple[str, str], int] = {}
 
 
-def fallbacks() -> dict[str, int]:
-  """{primitive name: count} of the equations traced through the whole-leaf fallback since the last clear."""
-  return dict(_FALLBACKS)
+def _note(name: str, why: str) -> None:
+  _FALLBACKS[name, why] = _FALLBACKS.get((name, why), 0) + 1
+
+
+def fallbacks(why: bool = False) -> dict:
+  """The equations traced with a whole-leaf gather since the last `clear_fallbacks()`.
+
+  Args:
+    why: False: {primitive name: count}; True: {(primitive name, reason): count}.
+
+  A whole-leaf gather keeps the gathered leaf alive past one equation: a nested
+  `shard_map` or a `while` differentiated by JAX itself (`_fallback`), a
+  parameter in a scan's carry, or a stacked parameter that a scan cannot slice
+  as a shard (sharded on the layer axis, or a non-elementwise chain before the
+  loop), gathered before the loop.
+  """
+  if why:
+    return dict(_FALLBACKS)
+  out: dict[str, int] = {}
+  for (name, _), n in _FALLBACKS.items():
+    out[name] = out.get(name, 0) + n
+  return out
 
 
 def clear_fallbacks() -> None:
@@ -328,7 +445,7 @@ def _fallback(ctx, eqn, invals: list) -> list:
   transpose, a while loop's) runs unchanged; the gathered leaf may stay alive
   until the backward pass reaches it.
   """
-  _FALLBACKS[eqn.primitive.name] = _FALLBACKS.get(eqn.primitive.name, 0) + 1
+  _note(eqn.primitive.name, "differentiated by JAX on the whole gathered leaf")
   vals = [_gather_whole(ctx, x) if isinstance(x, _Lazy) else x for x in invals]
   return _bind(eqn, vals)
 
@@ -355,7 +472,7 @@ def _gather_whole(ctx, lz: _Lazy):
 def _materialize(ctx, x):
   """A lazy value gathered in full (where it leaves the interpreter or enters an opaque region)."""
   if not isinstance(x, _Lazy):
-    return x
+    return _value(x)
   return _gather_apply(ctx, lambda vals: vals, [x])[0]
 
 
@@ -378,20 +495,25 @@ def _eval(ctx, jaxpr, consts, args) -> list:
     write(v, x)
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
-    lazy = [x for x in invals if isinstance(x, _Lazy)]
+    # The parameter-derived inputs, by identity: `w * w` reads one value twice.
+    lazy = list({id(x): x for x in invals if isinstance(x, _Lazy)}.values())
     name = eqn.primitive.name
-    if not lazy:
+    if not lazy and _foldable(eqn, invals):
+      outs = [_Const(eqn, tuple(invals))]
+    elif not lazy:
       outs = _bind(eqn, invals)
     elif (
       len(lazy) == 1
       and len(eqn.outvars) == 1
       and not _has_jaxpr(eqn)
       and not eqn.effects
-      and all(isinstance(x, _Lazy) or not _is_dynamic(x) for x in invals)
+      and not any(_traced(x) for x in invals if not isinstance(x, _Lazy))
     ):
-      # A unary operation of one parameter: stays lazy (nothing gathered yet).
+      # A function of one parameter-derived value and constants: stays lazy (nothing gathered
+      # yet). The step keeps the constants it read; the value's own positions are holes.
       (lz,) = lazy
-      outs = [lz._replace(chain=lz.chain + (eqn,))]
+      args = tuple(_HOLE if x is lz else x for x in invals)
+      outs = [lz._replace(chain=lz.chain + (_Step(eqn, args),))]
     elif name in _INLINE:
       closed = eqn.params[_INLINE[name]]
       if isinstance(closed, jcore.ClosedJaxpr):
@@ -413,14 +535,26 @@ def _eval(ctx, jaxpr, consts, args) -> list:
 
 
 def _split(invals):
-  """(flat dynamic values, how to rebuild each: None or (dim, chain)) of a list with lazies."""
-  flat = [x.shard if isinstance(x, _Lazy) else x for x in invals]
-  specs = [(x.dim, x.chain, x.other) if isinstance(x, _Lazy) else None for x in invals]
+  """(the traced values, how to rebuild the list) of a list with lazies and constants.
+
+  Traced values are the lazies' shards and the trace's other values; constants
+  (NumPy arrays, literals' values) stay out of the list and are put back as
+  they are, so that a region's body reads them as constants.
+  """
+  flat = [x.shard if isinstance(x, _Lazy) else x for x in invals if isinstance(x, _Lazy) or _traced(x)]
+  specs = [
+    ("lazy", (x.dim, x.chain, x.other)) if isinstance(x, _Lazy) else ("traced", None) if _traced(x) else ("const", x)
+    for x in invals
+  ]
   return flat, specs
 
 
 def _rebuild(flat, specs):
-  return [x if s is None else _Lazy(x, *s) for x, s in zip(flat, specs, strict=True)]
+  it = iter(flat)
+  out = []
+  for kind, spec in specs:
+    out.append(_Lazy(next(it), *spec) if kind == "lazy" else next(it) if kind == "traced" else spec)
+  return out
 
 
 def _remat(ctx, eqn, invals):
@@ -434,6 +568,15 @@ def _remat(ctx, eqn, invals):
     return [_materialize(ctx, o) for o in outs]
 
   return list(jax.checkpoint(fun, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))(*flat))
+
+
+def _per_layer(step: _Step) -> bool:
+  """Whether a chain step commutes with slicing the layer axis (elementwise, scalar constants only)."""
+  return step.eqn.primitive.name in _ELEMENTWISE and all(a is _HOLE or _ndim(a) == 0 for a in step.args)
+
+
+def _ndim(x) -> int:
+  return x.ndim if isinstance(x, _Const) else np.ndim(x)
 
 
 def _scan(ctx, eqn, invals):
@@ -450,19 +593,25 @@ def _scan(ctx, eqn, invals):
   nc, ncar = p["num_consts"], p["num_carry"]
   closed = p["jaxpr"]
   consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
+  if any(isinstance(x, _Lazy) for x in carry):
+    _note("scan", "a parameter in the carry, gathered before the loop")
   carry = [_materialize(ctx, x) for x in carry]
   x_flat: list = []
   x_specs: list[tuple[int, tuple, tuple] | None] = []
   for x in xs:
-    if isinstance(x, _Lazy) and x.dim > 0 and all(e.primitive.name in _ELEMENTWISE for e in x.chain):
+    if isinstance(x, _Lazy) and x.dim > 0 and all(_per_layer(step) for step in x.chain):
       x_flat.append(x.shard)
       x_specs.append((x.dim - 1, x.chain, tuple(x.other[1:])))
     else:
+      if isinstance(x, _Lazy):
+        why = "sharded on the layer axis" if x.dim == 0 else "read through a non-elementwise chain"
+        _note("scan", f"a stacked parameter {why}, gathered before the loop")
       x_flat.append(_materialize(ctx, x))
       x_specs.append(None)
 
   def body(c, x):
-    vals = list(consts) + list(c) + _rebuild(list(x), x_specs)
+    x = [v if spec is None else _Lazy(v, *spec) for v, spec in zip(x, x_specs, strict=True)]
+    vals = list(consts) + list(c) + x
     outs = [_materialize(ctx, o) for o in _eval(ctx, closed.jaxpr, closed.consts, vals)]
     return outs[:ncar], outs[ncar:]
 

@@ -5,18 +5,30 @@ listed dense layers (with aux and a replicated leaf), a flax linen MLP, and
 layers stacked and applied with `lax.scan`. Then the compiled HLO: no
 all-gather of the whole tree, one per use of each weight forward and again
 backward, one reduce-scatter per sharded leaf.
+
+Faithful replay (issue #31): a parameter combined with constants (NumPy masks,
+tables, projections, index arrays; tests/zoo/constant_models.py) through
+`make_train_step` fsdp/hsdp exact against the plain step, and a differential
+fuzzer (tests/_fuzz_programs.py): seeded random programs against plain
+`jax.grad`, 16 in the default run, 400 (and 20 through `make_train_step`) in
+the slow set.
 """
 
 import re
 
+import _fuzz_programs as _fuzz
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from conftest import smoke
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec
+from zoo import constant_models
 
+import jaxaccum as ja
 from jaxaccum import _hlo
 from jaxaccum._layerwise import layerwise
 
@@ -335,3 +347,147 @@ def test_lookup_tied_weights_scan_consts_cond_and_weight_decay_exact():
   want_value, want = _full_batch(loss, params, ids, y)
   _assert_close(value / P, want_value)
   _assert_close(jax.tree.map(lambda g: g / P, grads), want)
+
+
+# --------------------------------------------------------------------------- faithful replay (issue #31)
+# A parameter read in one operation with a constant (a NumPy mask, table, projection, index array) was
+# replayed with the gathered parameter in place of the constant (`w * MASK` computed as `w * w`).
+
+
+def _plain_step(loss, opt, params, batch):
+  """The reference: one full-batch jax.grad and one optax update."""
+  updates, _ = opt.update(jax.grad(loss)(params, batch), opt.init(params), params)
+  return optax.apply_updates(params, updates)
+
+
+def _fsdp_step(loss, opt, params, batch, strategy, k=2):
+  """One make_train_step update (K microbatches, per-microbatch gather): fsdp on 8 devices, hsdp on (2, 4)."""
+  if strategy == "hsdp":
+    mesh = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(AxisType.Auto,) * 2)
+    data_axis = ("replica", "data")
+  else:
+    mesh, data_axis = _mesh(), "data"
+  step = ja.make_train_step(
+    loss, opt, num_microbatches=k, mesh=mesh, data_axis=data_axis, strategy=strategy,
+    fsdp_gather="per_microbatch", donate=False,
+  )  # fmt: skip
+  p, opt_state = ja.shard_train_state(params, opt, mesh, strategy=strategy, data_axis=data_axis)
+  # The weights are sharded: the layerwise interpreter is what runs them.
+  assert any("data" in str(x.sharding.spec) for x in jax.tree.leaves(p))
+  p, _, metrics = step(p, opt_state, ja.shard_batch(batch, mesh, data_axis))
+  assert bool(metrics["applied"])
+  return p
+
+
+def _all_cases():
+  """Every case of tests/zoo/constant_models.py side by side on its own parameters: one compile."""
+  cases = constant_models.CASES
+  params = {m.name: m.init(jax.random.PRNGKey(i)) for i, m in enumerate(cases)}
+  batch = {m.name: m.batch(jax.random.PRNGKey(100 + i), 32) for i, m in enumerate(cases)}
+  return params, batch, lambda p, b: sum(m.loss(p[m.name], b[m.name]) for m in cases)
+
+
+@pytest.mark.parametrize("strategy", smoke(["fsdp", "hsdp"], {"fsdp"}))
+def test_numpy_constants_through_the_fsdp_step_exact(strategy):
+  """Every constant case at once (fixed mask, positional table, projection, NumPy index array,
+  jnp.asarray inside the loss, constants in a scan body, a scan input scaled by a constant, where on a
+  NumPy boolean mask, pad of a weight, a wide projection): exact against the plain step. On e619e36 the
+  masks, tables and projections computed `w * w`, `pos + pos`, `w @ w`, and where/pad/wide raised."""
+  params, batch, loss = _all_cases()
+  opt = optax.sgd(0.3, momentum=0.9)
+  got = _fsdp_step(loss, opt, params, batch, strategy)
+  want = _plain_step(loss, opt, params, batch)
+  for name in params:
+    _assert_close(got[name], want[name], tol=1e-10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+@pytest.mark.parametrize("model", constant_models.CASES, ids=lambda m: m.name)
+def test_each_numpy_constant_case_exact(model, strategy):
+  params, batch = model.init(jax.random.PRNGKey(0)), model.batch(jax.random.PRNGKey(1), 32)
+  opt = optax.sgd(0.3, momentum=0.9)
+  _assert_close(
+    _fsdp_step(model.loss, opt, params, batch, strategy), _plain_step(model.loss, opt, params, batch), 1e-10
+  )
+
+
+# --------------------------------------------------------------------------- the differential fuzzer
+# Seeded random programs (tests/_fuzz_programs.py: what model code does with parameters and constants)
+# through layerwise inside the step's untyped shard_map, against plain jax.grad in float64. A failure
+# names each failing program's seed, operations and sharded dimensions.
+FUZZ_DEFAULT = range(16)  # one compile of 16 programs side by side
+FUZZ_SLOW = range(16, 416)
+
+
+def test_fuzz_small_set_exact():
+  errs = _fuzz.errors([_fuzz.program(s) for s in FUZZ_DEFAULT])
+  assert not errs, "\n".join(errs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", FUZZ_SLOW[::20])
+def test_fuzz_large_set_exact(start):
+  errs = _fuzz.errors([_fuzz.program(s) for s in range(start, start + 20)])
+  assert not errs, "\n".join(errs)
+
+
+@pytest.mark.slow
+def test_fuzz_under_check_vma_exact():
+  """The same programs in a typed shard_map (check_vma=True: JAX pvary's each constant into a traced value)."""
+  errs = _fuzz.errors([_fuzz.program(s) for s in range(16)], check_vma=True)
+  assert not errs, "\n".join(errs)
+
+
+def test_whole_leaf_fallbacks_reported_per_model_form():
+  """The bench's fallback table (traced, not compiled): which equations keep a whole gathered leaf alive."""
+  from jaxaccum.bench import fsdp
+
+  found = {r["model"]: {(prim, n) for prim, _, n in r["fallbacks"]} for r in fsdp.fallback_table()}
+  assert found == {
+    "listed layers": set(),
+    "a NumPy mask on a weight": set(),
+    "layers stacked, lax.scan, sharded within a layer": set(),
+    "layers stacked, lax.scan, sharded on the layer axis": {("scan", 2)},  # w and b, gathered before the loop
+    "a parameter as a scan's carry": {("scan", 1)},
+    "a fori_loop with a traced trip count": {("while", 1)},
+    'a nested shard_map over "model"': {("shard_map", 1)},
+  }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+def test_fuzz_through_make_train_step_exact(strategy):
+  """20 fuzz programs side by side through make_train_step (the layout rule picks each leaf's dimension),
+  one microbatch per device: the update of plain SGD(1) is the mean of the 8 devices' gradients (compared
+  as parameters, rtol 1e-10: `p - new` would lose the digits of a gradient far below the parameter)."""
+  params, _, loss = _fuzz.combined([_fuzz.program(s) for s in range(500, 520)])
+  x, y = _fuzz.data(1)
+  _, want = _fuzz.reference_value_and_grad(loss, params, x, y)
+  got = _fsdp_step(lambda p, b: loss(p, b["x"], b["y"]), optax.sgd(1.0), params, {"x": x, "y": y}, strategy, k=1)
+  want = jax.tree.map(lambda p, g: p - g, params, want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-10, atol=1e-12)
+
+
+def test_constant_masks_and_indices_stay_layerwise():
+  """`where(np_mask, w, 0.0)` and `w[np_idx] * MASK`: the constants built in the trace (the broadcast 0.0,
+  the normalised indices) stay constants, so the weight is gathered at its matmul and re-gathered backwards,
+  not gathered once and held from the forward pass to the backward one (5 gathers, not 3)."""
+  mask = np.arange(256).reshape(16, 16) % 3 != 0
+  perm = np.random.default_rng(0).permutation(16)
+  params = _listed(jax.random.PRNGKey(8))[:3]
+  x, y = _data()
+
+  def loss(p, x, y):
+    h = jnp.tanh(x @ p[0]["w"] + p[0]["b"])
+    h = jnp.tanh(h @ jnp.where(mask, p[1]["w"], 0.0) + p[1]["b"])
+    return jnp.mean((h @ (p[2]["w"][perm] * mask) + p[2]["b"] - y) ** 2)
+
+  specs = [{"b": PartitionSpec("data"), "w": PartitionSpec("data")} for _ in params]
+  fn, (value, grads) = _layerwise_grads(loss, params, specs, [0] * 6, x, y)
+  want_value, want = _full_batch(loss, params, x, y)
+  _assert_close(jax.tree.map(lambda g: g / P, grads), want)
+  found = _hlo.collectives(fn.lower(params, x, y).compile().as_text(), num_devices=P)
+  gathers = [c.result_bytes for c in found if c.opcode == "all-gather"]
+  assert gathers.count(16 * 16 * 8) == 5, gathers

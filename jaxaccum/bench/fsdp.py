@@ -396,6 +396,81 @@ def skip_table(width: int = 512, depth: int = 12, batch: int = 256, k: int = 4, 
   return rows
 
 
+# --------------------------------------------------------------------------- whole-leaf fallbacks
+
+
+def _fallback_models(width: int = 16, depth: int = 8) -> list[tuple[str, Callable, Any, list, Any]]:
+  """(name, loss(params, x, y), params, dims, mesh axes) of model forms, each leaf's sharded dimension chosen."""
+  key = jax.random.PRNGKey(0)
+  f32 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float32), tree)  # also under jax_enable_x64
+  listed, stacked = f32(_params("listed", width, depth, key)), f32(_params("scanned", width, depth, key))
+  mask = np.triu(np.ones((width, width), np.float32))
+
+  def carry_loss(p, x, y):  # a parameter as a scan's carry
+    w, _ = lax.scan(lambda w, _: (0.5 * w, None), p["w"][0], None, length=2)
+    return jnp.mean((jnp.tanh(x @ w) - y) ** 2)
+
+  def while_loss(p, x, y):  # a fori_loop with a traced trip count: a while loop
+    n = (x[0, 0] > -1e9).astype(jnp.int32) + 1
+    h = lax.fori_loop(0, n, lambda i, h: jnp.tanh(h @ lax.stop_gradient(p["w"][0])), x)
+    return jnp.mean((h @ p["w"][1] - y) ** 2)
+
+  def tp_loss(p, x, y):  # the docs' tensor-parallel layer: a nested shard_map over "model"
+    layer = jax.shard_map(
+      lambda x, w1, w2: lax.psum(jnp.tanh(x @ w1) @ w2, "model"),
+      in_specs=(PartitionSpec(), PartitionSpec(None, "model"), PartitionSpec("model", None)),
+      out_specs=PartitionSpec(),
+      axis_names={"model"},
+    )
+    return jnp.mean((layer(x, p[0]["w"], p[1]["w"]) - y) ** 2)
+
+  masked = lambda p, x, y: jnp.mean((jnp.tanh(x @ (p[0]["w"] * mask)) @ p[1]["w"] - y) ** 2)
+  n_listed = len(jax.tree.leaves(listed))
+  return [
+    ("listed layers", _loss("listed"), listed, [0] * n_listed, None),
+    ("a NumPy mask on a weight", masked, listed[:2], [0] * 4, None),
+    ("layers stacked, lax.scan, sharded within a layer", _loss("scanned"), stacked, [1, 1], None),
+    ("layers stacked, lax.scan, sharded on the layer axis", _loss("scanned"), stacked, [0, 0], None),
+    ("a parameter as a scan's carry", carry_loss, stacked, [1, 1], None),
+    ("a fori_loop with a traced trip count", while_loss, stacked, [1, 1], None),
+    ('a nested shard_map over "model"', tp_loss, listed[:2], [0] * 4, ("model", 2)),
+  ]
+
+
+def fallback_table(width: int = 16, depth: int = 8) -> list[dict]:
+  """Which equations `_layerwise` runs with a whole-leaf gather, per model form (traced only, not compiled).
+
+  Every other equation that reads a parameter gathers it for that equation
+  alone; these keep the gathered leaf alive longer: `_layerwise.fallbacks()`.
+  """
+  from jaxaccum import _layerwise
+
+  rows = []
+  for name, loss, params, dims, extra in _fallback_models(width, depth):
+    axes, shape = ("data",), (8,)
+    if extra is not None:  # the nested map's axis first (Shardy wants it before the outer one)
+      axes, shape = (extra[0], "data"), (extra[1], 8 // extra[1])
+    mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes))
+    n = mesh.shape["data"]
+    flat, treedef = jax.tree.flatten(params)
+    specs = treedef.unflatten([PartitionSpec() if d is None else PartitionSpec(*[None] * d, "data") for d in dims])
+    grad = jax.grad(layerwise(loss, dims, "data", n))
+    fn = jax.shard_map(
+      grad,
+      mesh=mesh,
+      in_specs=(specs, PartitionSpec("data"), PartitionSpec("data")),
+      out_specs=specs,
+      axis_names={"data"},
+      check_vma=False,
+    )
+    x = jnp.ones((8 * 2, width), jnp.float32)
+    _layerwise.clear_fallbacks()
+    with jax.set_mesh(mesh):
+      jax.make_jaxpr(fn)(params, x, x)
+    rows.append({"model": name, "fallbacks": [[k[0], k[1], v] for k, v in _layerwise.fallbacks(why=True).items()]})
+  return rows
+
+
 def _max_shard(x) -> int:
   return max(s.data.nbytes for s in x.addressable_shards)
 
@@ -508,6 +583,21 @@ def run(quick: bool = False) -> list[dict]:
       "data": {"rows": srows},
     }
   )
+
+  frows = fallback_table()
+  lines = [
+    'Which equations run with a whole-leaf gather under `fsdp_gather="per_microbatch"` '
+    "(`jaxaccum._layerwise.fallbacks(why=True)` after tracing each form; 16-wide float32 layers, 8 devices). "
+    "Every other equation that reads a parameter gathers it for that equation alone; these keep the whole "
+    "gathered leaf alive longer (exact either way).",
+    "",
+    "| model form | equations with a whole-leaf gather |",
+    "|---|---|",
+  ]
+  for r in frows:
+    what = "; ".join(f"`{prim}` x{count}: {why}" for prim, why, count in r["fallbacks"]) or "none"
+    lines.append(f"| {r['model']} | {what} |")
+  out.append({"title": "fsdp: whole-leaf fallbacks", "markdown": "\n".join(lines), "data": {"rows": frows}})
 
   krows = skip_table(width, depth, batch, k, quick=quick)
   lines = [
