@@ -152,6 +152,11 @@ def sum_over_shards(sq_by_leaf, leaves, dtype, axis_name):
   return total
 
 
+def leaf_sq(x):
+  """sum(x^2) of one leaf."""
+  return jnp.sum(x * x)
+
+
 def noise_micro_step(stats, acc_grads, grads, w, new_window, axis_name=None, sample=None):
   """Noise statistics of one microbatch: sum_i w_i |g_i|^2 and K, per device, reset lazily like acc_weight.
 
@@ -164,10 +169,8 @@ def noise_micro_step(stats, acc_grads, grads, w, new_window, axis_name=None, sam
   leaves = jax.tree.leaves(grads)
 
   def leaf_sqs(leaves):
-    return [
-      jnp.sum(g.astype(acc.dtype) * g.astype(acc.dtype)).astype(w.dtype)
-      for acc, g in zip(jax.tree.leaves(acc_grads), leaves, strict=True)
-    ]
+    accs = jax.tree.leaves(acc_grads)
+    return [leaf_sq(g.astype(acc.dtype)).astype(w.dtype) for acc, g in zip(accs, leaves, strict=True)]
 
   count = jnp.where(new_window, jnp.zeros_like(stats.acc_count), stats.acc_count)
   counted = w > 0
@@ -189,15 +192,21 @@ def noise_micro_step(stats, acc_grads, grads, w, new_window, axis_name=None, sam
   return stats
 
 
-def noise_window_end(stats, mean, acc_weight, window_sq, window_count, ema_decay: float, axis_name=None):
+def noise_window_end(stats, norm_of, acc_weight, window_sq, window_count, ema_decay: float, axis_name=None):
   """The window's noise estimates from its (all-reduced) sums, folded into the EMAs.
 
-  |g|^2 of the window's mean comes from the all-reduced sum: the same on every device.
+  |g|^2 of the window's mean comes from the all-reduced sum: the same on every
+  device. `norm_of = (tree, scale)`: |g|^2 = scale^2 |tree|^2, the tree being
+  the window's sum sum_i w_i g_i with scale 1 / sum_i w_i where the sum exists
+  (its square then fuses into the one read of the sum, where squaring the mean
+  would materialise mean * mean beside the mean `inner` reads), else the mean.
   Sampled (`window_sq` a pair: sum_S w |g|^2 and B_S), the sampled estimator.
   """
-  leaves = jax.tree.leaves(mean)
+  tree, scale = norm_of
+  leaves = jax.tree.leaves(tree)
   dtype = acc_weight.dtype
-  mean_sq = sum_over_shards([jnp.sum(jnp.square(x.astype(dtype))) for x in leaves], leaves, dtype, axis_name)
+  mean_sq = sum_over_shards([leaf_sq(x.astype(dtype)) for x in leaves], leaves, dtype, axis_name)
+  mean_sq = mean_sq * jnp.square(jnp.asarray(scale, dtype))
   if isinstance(window_sq, tuple):
     sq, sampled_weight = window_sq
     grad_sq, trace_cov, valid = noise.sampled_window_estimates(sq, sampled_weight, window_count, acc_weight, mean_sq)
@@ -343,11 +352,11 @@ def emit(cfg: Config, call: Call, operands):
     window_sq, window_count = stats.acc_sq, stats.acc_count
     if cfg.sample is not None:
       window_sq = (stats.acc_sq, stats.acc_sampled_weight)
-  mean, acc_weight, window_sq, window_count = reduce_window(
+  mean, acc_weight, window_sq, window_count, norm_of = reduce_window(
     cfg, acc_grads, acc_weight, window_sq, window_count, call.targets
   )
   if cfg.tracking:
-    stats = noise_window_end(stats, mean, acc_weight, window_sq, window_count, cfg.ema_decay, cfg.axis_name)
+    stats = noise_window_end(stats, norm_of, acc_weight, window_sq, window_count, cfg.ema_decay, cfg.axis_name)
 
   inner_operands = (mean, acc_weight, inner_state, params)
   if call.may_be_empty:
@@ -392,7 +401,9 @@ def hold(call: Call, operands):
 def reduce_window(cfg: Config, acc_grads, acc_weight, window_sq, window_count, targets):
   """The window's mean sum w g / sum w, its total weight sum w and noise scalars, reduced over `axis_name`.
 
-  Returns (mean in the accumulator's dtypes, total weight, window_sq, window_count).
+  Returns (mean in the accumulator's dtypes, total weight, window_sq, window_count,
+  norm_of): `norm_of = (tree, scale)` with mean = scale * tree, the reduced sums
+  and 1 / total where they exist (see `noise_window_end`), else (mean, 1).
   Without `axis_name`: the local mean. Under pmap/shard_map: one all-reduce
   of (sum w g, sum w), the noise statistics' two scalars riding along with the
   weight (no extra collective). With `comm_dtype` the wire is normalised: the
@@ -409,19 +420,26 @@ def reduce_window(cfg: Config, acc_grads, acc_weight, window_sq, window_count, t
     safe = jnp.where(total > 0, total, jnp.ones_like(total))  # an empty window: no 0/0 (it applies nothing)
     return jax.tree.map(lambda a: a / safe.astype(a.dtype), sums)
 
+  def of_sums(sums, total, mean):
+    if jnp.finfo(total.dtype).bits < 32:  # a float16 sum squared overflows where the mean squared does not
+      return mean, 1
+    return sums, 1 / jnp.where(total > 0, total, jnp.ones_like(total))
+
   if cfg.axis_name is None:
-    return divide(acc_grads, acc_weight), acc_weight, window_sq, window_count
+    mean = divide(acc_grads, acc_weight)
+    return mean, acc_weight, window_sq, window_count, of_sums(acc_grads, acc_weight, mean)
   if targets is not None:
     if cfg.comm_dtype is None:
       sums = jax.tree.map(lambda a, t: _unreduced.reduce(a, cfg.axis_name, t), acc_grads, targets)
-      return divide(sums, acc_weight), acc_weight, window_sq, window_count
+      mean = divide(sums, acc_weight)
+      return mean, acc_weight, window_sq, window_count, of_sums(sums, acc_weight, mean)
     safe = jnp.where(acc_weight > 0, acc_weight, jnp.ones_like(acc_weight))
     mean = jax.tree.map(
       lambda a, t: _unreduced.reduce(_unreduced.scale(a, 1 / safe, cfg.axis_name), cfg.axis_name, t, cfg.comm_dtype),
       acc_grads,
       targets,
     )
-    return mean, acc_weight, window_sq, window_count
+    return mean, acc_weight, window_sq, window_count, (mean, 1)
   scalars = acc_weight
   sampled = isinstance(window_sq, tuple)  # noise_scale_sample: (sum_S w |g|^2, B_S), one scalar more
   if cfg.tracking:
@@ -431,11 +449,13 @@ def reduce_window(cfg: Config, acc_grads, acc_weight, window_sq, window_count, t
     sums, scalars = lax.psum((acc_grads, scalars), cfg.axis_name)
     total = scalars[0] if cfg.tracking else scalars
     mean = divide(sums, total)
+    norm_of = of_sums(sums, total, mean)
   else:
     scalars = lax.psum(scalars, cfg.axis_name)
     total = scalars[0] if cfg.tracking else scalars
     mean = parallel.all_reduce_sum(divide(acc_grads, total), cfg.axis_name, cfg.comm_dtype)
+    norm_of = (mean, 1)
   if cfg.tracking:
     window_sq = (scalars[1], scalars[2]) if sampled else scalars[1]
-    return mean, total, window_sq, scalars[-1]
-  return mean, total, None, None
+    return mean, total, window_sq, scalars[-1], norm_of
+  return mean, total, None, None, norm_of
