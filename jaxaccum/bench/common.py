@@ -79,7 +79,8 @@ def timed(runners: dict, baseline: str, rounds: int = MIN_ROUNDS, warmup: int = 
   this process's CPU time (all its threads) are both kept; the load average is
   read before and after.
 
-  Returns {"rounds", "baseline", "load_before", "load_after", "seconds": {name: median},
+  Returns {"rounds", "wall_rounds": {name: [seconds per round]}, "cpu_rounds", "baseline", "load_before",
+  "load_after", "seconds": {name: median},
   "cpu_seconds": {name: median}, "min_seconds": {name: fastest round}, "ratio": {name: quartiles},
   "cpu_ratio": {name: quartiles}},
   quartiles = {"median", "q1", "q3", "min", "max"}.
@@ -104,6 +105,8 @@ def timed(runners: dict, baseline: str, rounds: int = MIN_ROUNDS, warmup: int = 
   ratio = lambda t, n: _quartiles([a / b for a, b in zip(t[n], t[baseline], strict=True)])
   return {
     "rounds": rounds,
+    "wall_rounds": wall,
+    "cpu_rounds": cpu,
     "baseline": baseline,
     "load_before": load_before,
     "load_after": load_average(),
@@ -115,9 +118,10 @@ def timed(runners: dict, baseline: str, rounds: int = MIN_ROUNDS, warmup: int = 
   }
 
 
-def interleaved_medians(runners: dict, repeats: int) -> dict:
-  """Median seconds per run of each runner, from `timed` (the first runner as its baseline)."""
-  return timed(runners, next(iter(runners)), max(repeats, MIN_ROUNDS))["seconds"]
+def ratio_between(t: dict, name: str, base: str, cpu: bool = False) -> dict:
+  """Quartiles of `name` / `base` taken round by round from a `timed` result (a second baseline)."""
+  rounds = t["cpu_rounds" if cpu else "wall_rounds"]
+  return _quartiles([a / b for a, b in zip(rounds[name], rounds[base], strict=True)])
 
 
 def ratio_cell(q: dict, percent: bool = False) -> str:
