@@ -34,6 +34,7 @@ as their run measured them, with its date and machine.
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import pathlib
 import re
@@ -107,12 +108,32 @@ def _options(text: str) -> dict[str, str]:
   return opts
 
 
-def run_line(header: dict, section: str) -> str:
+def run_text(header: dict, section: str) -> str:
+  """The run a figure comes from, as plain text: command, commit, date and time (UTC), machine, jax, load average."""
+  unknown = "not recorded"
+  load = header.get("load")
+  after = header.get("load_after")
+  fmt = lambda la: "/".join(f"{x:.2f}" for x in la)
+  load_text = f"load average {fmt(load)}" + (f" to {fmt(after)}" if after else "") if load else f"load {unknown}"
   return (
-    f"<sub>From `python -m jaxaccum.bench --sections {section}`, {header['date']}, {header['backend']} "
-    f"({header['machine']}), jax {header['jax']}{', quick' if header.get('quick') else ''}; "
-    "rewritten by `python -m jaxaccum.bench.figures`.</sub>"
+    f"python -m jaxaccum.bench --sections {section} at commit {header.get('commit', unknown)}, {header['date']} "
+    f"{header.get('time', '(time ' + unknown + ')')}, {header['backend']} ({header['machine']}), jax {header['jax']}, "
+    f"{load_text}{', quick' if header.get('quick') else ''}"
   )
+
+
+def run_line(header: dict, section: str) -> str:
+  """The line under a block: which run measured it (`run_text`)."""
+  return f"<sub>From `{run_text(header, section)}`; rewritten by `python -m jaxaccum.bench.figures`.</sub>"
+
+
+_CELL = re.compile(r'<span title="From [^"]*">(?P<value>.*?)</span>', re.S)
+
+
+def cell_value(text: str) -> str:
+  """An inline cell's figure without its run line."""
+  m = _CELL.fullmatch(text)
+  return m.group("value") if m else text
 
 
 def _table_markdown(table: dict, cols: list[str] | None, rows: list[str] | None) -> str:
@@ -145,7 +166,9 @@ def render(result: dict, opts: dict[str, str]) -> str:
       raise KeyError(f"{result['id']}: {len(found)} rows start with {want}")
     if opts["col"] not in table["columns"]:
       raise KeyError(f"{result['id']}: column {opts['col']!r} not in {table['columns']}")
-    return found[0][table["columns"].index(opts["col"])]
+    value = found[0][table["columns"].index(opts["col"])]
+    # The run line rides along in a tooltip: inline cells sit in running text and in table cells.
+    return f'<span title="From {html.escape(run_text(result["header"], result["section"]))}">{value}</span>'
   if opts:
     table = result["tables"][int(opts.get("table", "1")) - 1]
     split = lambda key: opts[key].split(";") if key in opts else None
@@ -245,6 +268,97 @@ def unknown_regions(results: dict[str, dict], root: pathlib.Path = ROOT) -> list
   return out
 
 
+# --------------------------------------------------------------------------- what --check refuses
+
+# Figures typed by hand are refused on the markdown pages (not in notebooks, whose tables their own code
+# cells print): a decimal number with a unit the bench prints (x, %, ms, MiB) outside a region and a fenced
+# code block, unless a bound precedes it (a target: "<= 1.05x", "~ 3.8x") or its paragraph says why it is
+# typed with an HTML comment `<!-- typed: why -->` (arithmetic on paper, say).
+MARKDOWN_PAGES = ("README.md", "docs/*.md", "docs/guides/*.md")
+_FIGURE = re.compile(r"(?<![\w.])[-+]?\d+\.\d+\s?(?:x|%|ms|MiB)(?!\w)")
+_BOUND_BEFORE = re.compile(r"(?:<=|>=|<|>|≤|≥|~|≈|&lt;=|&lt;|&gt;)\s*$")
+# Phrases that compare a measurement with its target: they must come from a region (a verdict cell), where
+# the bench decides them from the spread ("within noise" when the interquartile range straddles the bound).
+# "within noise" counts in a sentence that names a target (elsewhere it may compare two rows of a table).
+_VERDICT = re.compile(
+  r"\b(?:not met|(?:is|are|was|were|be) met|met only|targets? (?:is |are )?met|"
+  r"meets? (?:the|its|their|every) targets?|miss(?:es)? (?:the|its|their) targets?)\b"
+  r"|\bwithin noise\b(?=[^.;]*\btargets?\b)|\btargets?\b[^.;]*\bwithin noise\b",
+  re.I,
+)
+
+
+def _blanked(text: str) -> str:
+  """The text with regions and fenced code blocks blanked (newlines kept, so line numbers stay)."""
+  blank = lambda m: re.sub(r"[^\n]", " ", m.group(0))
+  return re.sub(r"^```.*?^```", blank, _REGION.sub(blank, text), flags=re.S | re.M)
+
+
+def _typed(pattern: re.Pattern, what: str, root: pathlib.Path, paths=None) -> list[str]:
+  out = []
+  for path in paths if paths is not None else sorted({p for g in MARKDOWN_PAGES for p in root.glob(g)}):
+    text = _blanked(path.read_text())
+    offset = 0
+    for paragraph in re.split(r"(\n\s*\n)", text):
+      if "<!-- typed:" not in paragraph:
+        for m in pattern.finditer(paragraph):
+          if what == "figure" and _BOUND_BEFORE.search(paragraph[: m.start()]):
+            continue
+          line = text.count("\n", 0, offset + m.start()) + 1
+          out.append(f"{path.relative_to(root)}:{line}: {what} {m.group(0)!r} typed outside a bench region")
+      offset += len(paragraph)
+  return out
+
+
+def typed_figures(root: pathlib.Path = ROOT, paths=None) -> list[str]:
+  """Measured-looking figures typed by hand on the markdown pages (see `_FIGURE`), as "path:line: ..."."""
+  return _typed(_FIGURE, "figure", root, paths)
+
+
+def typed_verdicts(root: pathlib.Path = ROOT, paths=None) -> list[str]:
+  """Target verdicts ("met", "not met", "within noise") typed by hand: prose must take them from a region."""
+  return _typed(_VERDICT, "verdict", root, paths)
+
+
+def unreferenced(results: dict[str, dict], root: pathlib.Path = ROOT) -> list[str]:
+  """Store entries no page shows (a region removed or renamed): the store holds what the docs print, nothing else."""
+  shown = set()
+  for path in pages(root):
+    shown |= {m.group("id") for m in regions(path.read_text())}
+  return sorted(set(results) - shown)
+
+
+def stale(results: dict[str, dict]) -> list[str]:
+  """Entries measured on other code than the checkout's: the hash stored with each (`bench.code_hash`) differs."""
+  from jaxaccum.bench import code_hash, measured_files  # noqa: PLC0415
+
+  out = []
+  for rid, r in sorted(results.items()):
+    if "code" in r and r["code"] != code_hash(r["section"]):
+      files = ", ".join(p.name for p in measured_files(r["section"]))
+      out.append(
+        f"{rid}: measured at commit {r['header'].get('commit', '?')}; the code it measures ({files}) has changed "
+        f"since: rerun `python -m jaxaccum.bench --sections {r['section']}`"
+      )
+  return out
+
+
+def unstamped(results: dict[str, dict]) -> list[str]:
+  """Entries from runs before run lines named the commit, the time and the load (a warning: rerun to stamp them)."""
+  return sorted(rid for rid, r in results.items() if not {"commit", "time", "load"} <= set(r["header"]))
+
+
+def problems(results: dict[str, dict], root: pathlib.Path = ROOT) -> list[str]:
+  """Everything `--check` refuses: regions unlike the store or without an entry, entries no page shows, entries
+  older than the code they measure, figures and target verdicts typed outside a region."""
+  out = [f"differs from the store: {c}" for c in update(results, root, write=False)]
+  out += [f"no result in the store for the region {r}" for r in unknown_regions(results, root)]
+  out += [f"store entry no page references: {r}" for r in unreferenced(results, root)]
+  out += [f"stale: {r}" for r in stale(results)]
+  out += typed_figures(root) + typed_verdicts(root)
+  return out
+
+
 # --------------------------------------------------------------------------- deterministic figures, recomputed
 
 # (section module, function(quick) returning one result or a list, "fast" or "full", columns to compare or None: all).
@@ -285,10 +399,10 @@ def _compare(region: re.Match, fresh: dict, cols: tuple | None, where: str) -> l
   if "row" in opts:
     if cols and opts["col"] not in cols:
       return []
-    want = render(fresh, opts)
+    have, want = cell_value(have), cell_value(render({**fresh, "header": _NO_HEADER}, opts))
     return [] if have == want else [f"{where}: {fresh['id']} {opts}: the page says {have!r}, the bench {want!r}"]
   if cols is None and not opts:  # the whole result: prose and tables alike (the run line aside)
-    strip = lambda text: re.sub(r"<sub>From .*?</sub>", "", text).strip()
+    strip = lambda text: re.sub(r"<sub>From .*?</sub>", "", text, flags=re.S).strip()
     same = strip(have) == strip(fresh["markdown"])
     return [] if same else [f"{where}: {fresh['id']}: the page differs from the bench:\n{fresh['markdown']}"]
   page_tables = tables(have)
@@ -361,20 +475,34 @@ def main(argv=None) -> int:
     print(f"{len(differences)} deterministic figure(s) differ from the bench at HEAD ({args.verify})")
     return 1 if differences else 0
   results = load(args.store) if pathlib.Path(args.store).exists() or args.check else {}
-  if args.json:
-    if args.check:
+  if args.check:
+    if args.json:
       parser.error("--check compares the pages with the store: run it without --json")
+    found = problems(results)
+    for line in found:
+      print(line, file=sys.stderr)
+    warn = unstamped(results)
+    if warn:
+      print(
+        f"warning: {len(warn)} entries come from runs without a commit, time and load in their run line",
+        file=sys.stderr,
+      )
+    if found:
+      print(f"{len(found)} problem(s): see docs/benchmarks.md, 'How the figures are kept'", file=sys.stderr)
+      return 1
+    return 0
+  if args.json:
     results = merge(results, load(args.json))
+  dropped = unreferenced(results)
+  for rid in dropped:  # the store holds what the pages print
+    print(f"dropped from the store (no page shows it): {rid}")
+    del results[rid]
+  if args.json or dropped:
     save(results, args.store)
-  changed = update(results, write=not args.check)
-  missing = unknown_regions(results)
-  for line in changed:
-    print(("differs: " if args.check else "rewritten: ") + line)
-  for line in missing:
+  for line in update(results):
+    print("rewritten: " + line)
+  for line in unknown_regions(results):
     print(f"no result in {args.store} for the region {line}", file=sys.stderr)
-  if args.check and (changed or missing):
-    print(f"{len(changed)} region(s) differ from {args.store}: run `python -m jaxaccum.bench.figures`", file=sys.stderr)
-    return 1
   return 0
 
 
