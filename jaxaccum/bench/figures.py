@@ -235,7 +235,7 @@ def merge(store: dict[str, dict], new: dict[str, dict]) -> dict[str, dict]:
 
 
 def save(results: dict[str, dict], path: str | pathlib.Path) -> None:
-  latest = max((r["header"] for r in results.values()), key=lambda h: h["date"])
+  latest = max((r["header"] for r in results.values()), key=lambda h: (h["date"], h.get("time", "")), default={})
   report = {"header": latest, "sections": list(results.values())}
   pathlib.Path(path).write_text(json.dumps(report, indent=1, default=float) + "\n")
 
@@ -448,7 +448,13 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jaxaccum.bench.figures", description=__doc__.split("\n\n")[0])
   parser.add_argument("--json", help="a fresh `python -m jaxaccum.bench --json` report to merge into the store first")
   parser.add_argument("--store", default=str(ROOT / STORE), help=f"the figures the docs print (default {STORE})")
-  parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page differs from the store")
+  parser.add_argument(
+    "--check",
+    action="store_true",
+    help="change nothing; exit 1 if a page differs from the store, a store entry is unreferenced or stale, or a "
+    "page types a figure or a target verdict outside a region",
+  )
+  parser.add_argument("--root", default=str(ROOT), help="the checkout whose pages are read (default: this one)")
   parser.add_argument(
     "--verify",
     choices=("fast", "full"),
@@ -474,11 +480,12 @@ def main(argv=None) -> int:
       print(line)
     print(f"{len(differences)} deterministic figure(s) differ from the bench at HEAD ({args.verify})")
     return 1 if differences else 0
+  root = pathlib.Path(args.root).resolve()
   results = load(args.store) if pathlib.Path(args.store).exists() or args.check else {}
   if args.check:
     if args.json:
       parser.error("--check compares the pages with the store: run it without --json")
-    found = problems(results)
+    found = problems(results, root)
     for line in found:
       print(line, file=sys.stderr)
     warn = unstamped(results)
@@ -493,15 +500,15 @@ def main(argv=None) -> int:
     return 0
   if args.json:
     results = merge(results, load(args.json))
-  dropped = unreferenced(results)
+  dropped = unreferenced(results, root)
   for rid in dropped:  # the store holds what the pages print
     print(f"dropped from the store (no page shows it): {rid}")
     del results[rid]
   if args.json or dropped:
     save(results, args.store)
-  for line in update(results):
+  for line in update(results, root):
     print("rewritten: " + line)
-  for line in unknown_regions(results):
+  for line in unknown_regions(results, root):
     print(f"no result in {args.store} for the region {line}", file=sys.stderr)
   return 0
 
