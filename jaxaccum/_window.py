@@ -63,6 +63,9 @@ class Call(NamedTuple):
   may_be_empty: bool  # some microbatch may not count, so a window can end with total weight 0
   update_shapes: Any  # the abstract updates `inner` gives (for zero updates), or None when never needed
   targets: Any  # unreduced (own jit on an Explicit mesh): each leaf's PartitionSpec after the reduction; else None
+  # A call that applies nothing returns this call's gradients as placeholder updates, and `step` selects zeros
+  # for them outside the cond (see `_passes_grads`); False: it returns materialised zeros.
+  pass_grads: bool = False
 
 
 def check_k_value(k, what: str) -> None:
@@ -266,6 +269,7 @@ def step(cfg: Config, grads, state, params, weight, extra_args, apply: bool, unr
   # A window can end empty (total weight 0) only if some microbatch may not count;
   # a window-end call that counts by construction (weight 1) makes it non-empty.
   call = _plan(cfg, grads, state, params, stats, acc_weight, extra_args, apply, unreduced, single, keep is not None)
+  call = call._replace(pass_grads=call.update_shapes is not None and _passes_grads(cfg, call))
 
   operands = (acc_grads, acc_weight, state.inner_state, params, stats)
   if single:
@@ -279,6 +283,7 @@ def step(cfg: Config, grads, state, params, weight, extra_args, apply: bool, unr
     branches = functools.partial(emit, cfg, call), functools.partial(hold, call)
     out, inner_state, updated, stats = parallel.cond(is_last, *branches, operands)
     micro_step = jnp.where(is_last, jnp.zeros_like(micro_step), micro_step)
+  out = select_updates(call, out, updated)
   empty = is_last & jnp.logical_not(updated)
   return out, state._replace(
     micro_step=micro_step,
@@ -326,6 +331,42 @@ def _plan(cfg: Config, grads, state, params, stats, acc_weight, extra_args, appl
   return Call(grads, extra_args, apply, single, may_be_empty, update_shapes, targets)
 
 
+def _passes_grads(cfg: Config, call: Call) -> bool:
+  """Whether a call that applies nothing may return its gradients in place of zero updates (selected out later).
+
+  Through the plain API a micro-step's zero updates are decided at run time, so
+  returned from the cond they are written as a params-sized buffer, read again
+  by the caller's `apply_updates`. Returning this call's gradient buffers
+  instead (the add into the accumulator has just read them; passed through the
+  cond, not copied) and selecting `where(updated, u, 0)` after the cond lets
+  XLA fuse the select into the caller's `apply_updates`: no zeros are written.
+  (Passing the accumulator instead would make XLA copy it: it is also the
+  state's output.) A gradient that XLA would otherwise fuse into the add (an
+  elementwise one, no dot or reduction behind it) is then materialised; a
+  layer's weight and bias gradients are materialised anyway. Only inside a jit
+  (eager calls fuse nothing) and where the gradient has the update's exact
+  type: the same shape and dtype, no mesh axis in its sharding and no varying
+  manual axis (without `axis_name`, not in the user's own jit on an Explicit mesh).
+  """
+  if cfg.axis_name is not None or call.targets is not None or call.apply:
+    return False
+  for g, u in zip(jax.tree.leaves(call.grads), jax.tree.leaves(call.update_shapes), strict=True):
+    if not isinstance(g, jax.core.Tracer) or jnp.shape(g) != u.shape or jnp.result_type(g) != u.dtype:
+      return False
+    aval = jax.typeof(g)
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    if (spec is not None and any(axis is not None for axis in spec)) or getattr(aval, "vma", None):
+      return False
+  return True
+
+
+def select_updates(call: Call, out, updated):
+  """The updates of a call whose idle branches passed the gradients through: zeros unless `updated`."""
+  if not call.pass_grads:
+    return out
+  return jax.tree.map(lambda u: jnp.where(updated, u, jnp.zeros([], u.dtype)), out)
+
+
 def idle(call: Call, acc_grads, params):
   """What a call that applies nothing returns: zero updates, or the parameters as they are.
 
@@ -335,6 +376,8 @@ def idle(call: Call, acc_grads, params):
   """
   if call.apply:
     return params
+  if call.pass_grads:  # selected out after the cond (`select_updates`)
+    return call.grads
   if call.targets is not None:  # unreduced: the accumulator's type is not the updates' (see `targets`)
     return jax.tree.map(lambda u, t: jnp.zeros(u.shape, u.dtype, out_sharding=t), call.update_shapes, call.targets)
   return jax.tree.map(lambda a, u: _tree.zeros_like_sharded(a, u.dtype), acc_grads, call.update_shapes)

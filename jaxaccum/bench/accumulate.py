@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from jaxaccum.accumulate import accumulate
 from jaxaccum.bench.common import (
@@ -48,59 +49,89 @@ def _transform_runner(tx, params, batches):
   return run, carry, hlo
 
 
-def _add_only_runner(inner, params, batches):
-  """The physical floor: one jitted add per micro-step, one jitted inner update per window."""
-  k = len(batches)
+def _floor_runner(inner, params, batches, mode: str):
+  """A floor: one jitted micro-step per microbatch, and (but for "+ cond") one jitted update per window.
 
-  @functools.partial(jax.jit, donate_argnums=(0,))
-  def add(acc, params, batch):
-    return jax.tree.map(jnp.add, acc, jax.grad(mlp_loss)(params, batch))
+  The micro-step is the gradient and its add into the accumulator, reset lazily
+  on the window's first add (`where(first, 0, acc) + g`, run-time `first`), as
+  `accumulate` does, so the window end writes no zeros. "add-only" stops there.
+  "plain-API" (the floor of the plain optax API) also returns a params-sized
+  zero update and applies it (`optax.apply_updates`): its zeros are decided at
+  run time, selected from a buffer the step holds anyway,
+  `where(window_end, grads, 0)` with a run-time False, so nothing more is
+  written. A literal zero update would be folded away by XLA (p + 0 = p), a
+  floor no transformation of the plain API can reach; materialised zeros would
+  add a params-sized write. "+ cond" is the plain-API floor with `inner` inside
+  the micro-step, under a `lax.cond` on the window's end that passes its state
+  through otherwise (one jitted function, as `accumulate`): what a cond per
+  call costs.
+  """
+  k = len(batches)
+  with_cond = mode == "plain-API + cond"
 
   @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+  def micro(acc, params, state, batch, first, window_end):
+    grads = jax.grad(mlp_loss)(params, batch)
+    acc = jax.tree.map(lambda a, g: jnp.where(first, jnp.zeros([], a.dtype), a) + g, acc, grads)
+    if mode == "add-only":
+      return acc, params, state
+    if with_cond:
+      emit = lambda acc, state: inner.update(jax.tree.map(lambda a: a / k, acc), state, params)
+      updates, state = lax.cond(window_end, emit, lambda acc, state: (grads, state), acc, state)
+    else:
+      # The select waits for the whole backward pass, as an optimizer's update does: a scalar of the first
+      # layer's gradient (the last one computed) joins the predicate. Otherwise XLA may update a layer's
+      # parameters in place before the backward pass has read them, and copies them first.
+      last = jax.tree.leaves(grads)[0].ravel()[0]
+      window_end = window_end & (last == last)
+      updates = grads
+    updates = jax.tree.map(lambda u: jnp.where(window_end, u, jnp.zeros([], u.dtype)), updates)
+    return acc, optax.apply_updates(params, updates), state
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
   def apply(params, state, acc):
     updates, state = inner.update(jax.tree.map(lambda a: a / k, acc), state, params)
-    return optax.apply_updates(params, updates), state, jax.tree.map(jnp.zeros_like, acc)
+    return optax.apply_updates(params, updates), state
 
   carry = [jax.tree.map(jnp.copy, params), inner.init(params), jax.tree.map(jnp.zeros_like, params)]
+  true, false = jnp.ones([], jnp.bool_), jnp.zeros([], jnp.bool_)
 
   def run():
-    for batch in batches:
-      carry[2] = add(carry[2], carry[0], batch)
-    carry[0], carry[1], carry[2] = apply(*carry)
+    for i, batch in enumerate(batches):
+      end = true if with_cond and i == k - 1 else false
+      # Only "+ cond" passes `inner`'s state through the micro-step (the others leave it to the window's update).
+      out = micro(carry[2], carry[0], carry[1] if with_cond else None, batch, true if i == 0 else false, end)
+      carry[2], carry[0] = out[:2]
+      if with_cond:
+        carry[1] = out[2]
+    if not with_cond:
+      carry[0], carry[1] = apply(carry[0], carry[1], carry[2])
     jax.block_until_ready(carry)
 
   return run
 
 
-def _plain_floor_runner(inner, params, batches):
-  """The floor of the plain optax API: the add-only floor plus a params-sized zero update and its `apply_updates`.
+def _add_only_runner(inner, params, batches):
+  """The physical floor: one jitted add per micro-step, one jitted inner update per window."""
+  return _floor_runner(inner, params, batches, "add-only")
 
-  Through `update` a micro-step returns updates whose zeros are decided at run
-  time (is this call the window's last?), so the floor makes them from a
-  run-time 0, in the micro-step's jit: XLA folds a literal zero update
-  (p + 0 = p) away, a floor no transformation of the plain API can reach.
+
+def _zeros_written_runner(inner, params, batches):
+  """`accumulate` through the plain API as before issue 32: its micro-steps write params-sized zero updates.
+
+  A diagnostic row: the step is traced and compiled (its first run) with the
+  pass-through of the gradients turned off (`_window._passes_grads`), then
+  timed like the others from the compiled executable.
   """
-  k = len(batches)
+  from jaxaccum import _window  # noqa: PLC0415
 
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def add(params, acc, batch, zero):
-    updates = jax.tree.map(lambda p: jnp.full_like(p, zero), params)
-    return optax.apply_updates(params, updates), jax.tree.map(jnp.add, acc, jax.grad(mlp_loss)(params, batch))
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-  def apply(params, state, acc):
-    updates, state = inner.update(jax.tree.map(lambda a: a / k, acc), state, params)
-    return optax.apply_updates(params, updates), state, jax.tree.map(jnp.zeros_like, acc)
-
-  carry = [jax.tree.map(jnp.copy, params), inner.init(params), jax.tree.map(jnp.zeros_like, params)]
-  zero = jnp.zeros([], jnp.float32)
-
-  def run():
-    for batch in batches:
-      carry[0], carry[2] = add(carry[0], carry[2], batch, zero)
-    carry[0], carry[1], carry[2] = apply(*carry)
-    jax.block_until_ready(carry)
-
+  passes = _window._passes_grads  # noqa: SLF001
+  _window._passes_grads = lambda *args: False  # noqa: SLF001
+  try:
+    run = _transform_runner(accumulate(inner, len(batches)), params, batches)[0]
+    run()
+  finally:
+    _window._passes_grads = passes  # noqa: SLF001
   return run
 
 
@@ -177,8 +208,10 @@ def _time(quick: bool = False) -> dict:
     runners = {
       "MultiSteps": ms_run,
       "accumulate": ja_run,
+      "accumulate, zeros written (before #32)": _zeros_written_runner(inner, params, batches),
       "own jit, apply_gradients": _own_jit_runner(accumulate(inner, k), params, batches),
-      "plain-API floor": _plain_floor_runner(inner, params, batches),
+      "plain-API floor": _floor_runner(inner, params, batches, "plain-API"),
+      "plain-API floor + cond": _floor_runner(inner, params, batches, "plain-API + cond"),
       "add-only": _add_only_runner(inner, params, batches),
     }
     t = timed(runners, "MultiSteps", rounds)
@@ -209,11 +242,14 @@ def _time(quick: bool = False) -> dict:
   time_table = "\n".join(
     [
       f"MLP {depth} x {width}, adam, float32; time per window of K micro-steps, jitted and donated. MultiSteps and "
-      "accumulate through the plain optax API (`update`, then `optax.apply_updates` in the same jit); the own-jit "
-      "recipe with `tx.update.apply_gradients` (the parameters pass a micro-step untouched); the plain-API floor: one "
-      "add per micro-step plus a params-sized zero update made from a run-time 0 and its `apply_updates`; the "
-      'add-only floor: one jitted add per micro-step and one jitted update per window. A verdict is "within noise" '
-      "when the interquartile range straddles the bound.",
+      "accumulate through the plain optax API (`update`, then `optax.apply_updates` in the same jit), and "
+      "accumulate as it was before issue 32 (its micro-steps wrote params-sized zero updates); the own-jit "
+      "recipe with `tx.update.apply_gradients` (the parameters pass a micro-step untouched). Floors, each with the "
+      "accumulator reset lazily as accumulate does: add-only, one jitted gradient-and-add per micro-step and one "
+      "jitted update per window; the plain-API floor adds a params-sized zero update decided at run time and its "
+      "`apply_updates`; '+ cond' runs the update inside the micro-step under a `lax.cond` on the window's end "
+      '(one jitted function, as accumulate): what a cond per call costs. A verdict is "within noise" when the '
+      "interquartile range straddles the bound.",
       "",
       "| case | method | ms / window | vs MultiSteps | vs plain-API floor | vs add-only | target |",
       "|---|---|---:|---:|---:|---:|---|",
