@@ -335,7 +335,7 @@ def stale(results: dict[str, dict]) -> list[str]:
   out = []
   for rid, r in sorted(results.items()):
     if "code" in r and r["code"] != code_hash(r["section"]):
-      files = ", ".join(p.name for p in measured_files(r["section"]))
+      files = ", ".join(str(p.relative_to(ROOT)) for p in measured_files(r["section"]))
       out.append(
         f"{rid}: measured at commit {r['header'].get('commit', '?')}; the code it measures ({files}) has changed "
         f"since: rerun `python -m jaxaccum.bench --sections {r['section']}`"
