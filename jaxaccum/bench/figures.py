@@ -6,29 +6,34 @@ A region of a markdown page (docs/, README.md) or of a notebook's markdown
 cell is marked with HTML comments, invisible once rendered, and rewritten:
 
     <!-- bench:fsdp/every-strategys-per-device-peak -->
-    ... the result's markdown, then a line naming the run (date, machine, jax) ...
+    ... the result's markdown, then its run line ...
     <!-- /bench -->
 
-The id is the section and the slug of the result's title (`result_id`).
-Options after the id select part of a result:
+The run line names the command, the commit, the date and time (UTC), the
+machine, the jax version and the load average before and after the section
+(`run_text`). The id is the section and the slug of the result's title
+(`result_id`). Options after the id select part of a result:
 
 - `table=N`: only its N-th table (from 1), with the run line;
 - `cols="a;b"`: only those columns (by header), `rows="x;y"`: only the rows
   whose first cell is one of them (both imply a table, default the first);
 - `row="listed;4;(c) jaxaccum fsdp once" col="peak (MiB)"`: one cell, inline
   (a row is chosen by its leading cells), for a figure in running text or in
-  a table's cell (hence `;`, not `|`, between names).
+  a table's cell (hence `;`, not `|`, between names); it carries its run line
+  as a tooltip (`<span title="From ...">`).
 
 The figures live in one store, docs/bench_results.json (every result the docs
-print, each with the header of the run that measured it: date, machine, jax).
+print, each with its run's header and a hash of the code it measured).
 `--json report.json` merges a fresh bench report into it (a run of a few
-sections replaces those), then every page is rewritten from it. `--check`
-rewrites nothing and exits 1 if a page differs from the store. `--verify fast|full`
-recomputes the deterministic results (compiled memory, collective counts, HLO
-bytes: the same for a given jax/XLA on any machine) and exits 1 when a page
-prints other figures (tests/test_figures.py); `--refresh fast|full` stores those
-recomputed results and rewrites the pages, without a timing run. Timings stay
-as their run measured them, with its date and machine.
+sections replaces those), drops the entries no page shows, then every page is
+rewritten from it. `--check` rewrites nothing and exits 1 on anything
+`problems` finds: a region unlike the store or without an entry, an entry no
+page shows, an entry older than the code it measures, a figure or a target
+verdict typed outside a region. `--verify fast|full` recomputes the
+deterministic results (compiled memory, collective counts, HLO bytes: the same
+for a given jax/XLA on any machine) and exits 1 when a page prints other
+figures (tests/test_figures.py); `--refresh fast|full` stores those recomputed
+results and rewrites the pages, without a timing run.
 """
 
 from __future__ import annotations
@@ -472,7 +477,10 @@ def main(argv=None) -> int:
     _setup_devices(8)
   if args.refresh:
     header = run_header(quick=False)
-    fresh = {rid: {**r, "header": header} for rid, (r, _) in recompute(args.refresh).items()}
+    from jaxaccum.bench import code_hash  # noqa: PLC0415
+
+    recomputed = recompute(args.refresh)
+    fresh = {rid: {**r, "header": header, "code": code_hash(r["section"])} for rid, (r, _) in recomputed.items()}
     save(merge(load(args.store) if pathlib.Path(args.store).exists() else {}, fresh), args.store)
   if args.verify:
     differences = verify(args.verify)
