@@ -75,10 +75,13 @@ def test_timed_interleaves_rotates_and_reports_the_spread():
     common.timed(runners, "a", rounds=3)
   with pytest.raises(ValueError, match="baseline='z'"):
     common.timed(runners, "z")
-  t = common.timed(runners, "a", rounds=7, warmup=1)
+  with pytest.raises(ValueError, match="max_rounds=5"):
+    common.timed(runners, "a", rounds=7, max_rounds=5)
+  t = common.timed(runners, "a", rounds=7, warmup=1, max_rounds=7)
   timed_calls = calls[3:]
   assert timed_calls[:9] == list("abcbcacab")  # A B C, then B C A, then C A B
   assert t["rounds"] == 7 and all(len(t["wall_rounds"][n]) == 7 for n in "abc")
+  assert t["stopped"] in ("spread", "max_rounds")  # microsecond runners: their ratios may well stay wide
   assert t["ratio"]["a"] == {"median": 1.0, "q1": 1.0, "q3": 1.0, "min": 1.0, "max": 1.0}
   assert len(t["load_before"]) == 3 and len(t["load_after"]) == 3
   q = common.ratio_between({"wall_rounds": {"x": [2.0, 4.0, 6.0], "y": [1.0, 2.0, 2.0]}}, "x", "y")

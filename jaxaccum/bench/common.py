@@ -67,28 +67,38 @@ def _quartiles(values) -> dict:
   }
 
 
-def timed(runners: dict, baseline: str, rounds: int = MIN_ROUNDS, warmup: int = 2) -> dict:
+SPREAD = 0.05  # `timed` adds rounds while an interquartile range is wider than this share of its median
+
+
+def timed(
+  runners: dict, baseline: str, rounds: int = MIN_ROUNDS, warmup: int = 2, max_rounds: int | None = None
+) -> dict:
   """The one timing helper of the bench: runners interleaved round by round, ratios against `baseline` per round.
 
-  Every runner runs `warmup` times, then `rounds` (at least `MIN_ROUNDS`)
-  rounds in which each runs once, the order rotated every round (A B C, B C A,
-  ...) so no runner always follows the same one. A ratio is taken within a
-  round (runner / baseline, measured seconds apart), so a load change
-  between rounds moves both sides alike; its median over the rounds is the
-  figure, and its quartiles and min-max say how far to trust it. Wall time and
-  this process's CPU time (all its threads) are both kept; the load average is
-  read before and after.
+  Every runner runs `warmup` times, then rounds in which each runs once, the
+  order rotated every round (A B C, B C A, ...) so no runner always follows
+  the same one. A ratio is taken within a round (runner / baseline, measured
+  seconds apart), so a load change between rounds moves both sides alike; its
+  median over the rounds is the figure, and its quartiles and min-max say how
+  far to trust it. After `rounds` (at least `MIN_ROUNDS`) it goes on until the
+  spread is known: while some ratio's interquartile range is wider than
+  `SPREAD` of its median, up to `max_rounds` (default 2 x `rounds`; a loaded
+  machine ends there, with its wide range printed). Wall time and this
+  process's CPU time (all its threads) are both kept; the load average is read
+  before and after.
 
-  Returns {"rounds", "wall_rounds": {name: [seconds per round]}, "cpu_rounds", "baseline", "load_before",
-  "load_after", "seconds": {name: median},
-  "cpu_seconds": {name: median}, "min_seconds": {name: fastest round}, "ratio": {name: quartiles},
-  "cpu_ratio": {name: quartiles}},
+  Returns {"rounds", "stopped": "spread" | "max_rounds", "wall_rounds": {name: [seconds per round]},
+  "cpu_rounds", "baseline", "load_before", "load_after", "seconds": {name: median}, "cpu_seconds",
+  "min_seconds": {name: fastest round}, "ratio": {name: quartiles}, "cpu_ratio"},
   quartiles = {"median", "q1", "q3", "min", "max"}.
   """
   if rounds < MIN_ROUNDS:
     raise ValueError(f"{rounds=} must be >= {MIN_ROUNDS}: fewer rounds do not give a spread")
   if baseline not in runners:
     raise ValueError(f"{baseline=} must be one of {list(runners)}")
+  max_rounds = 2 * rounds if max_rounds is None else max_rounds
+  if max_rounds < rounds:
+    raise ValueError(f"{max_rounds=} must be >= {rounds=}")
   names = list(runners)
   load_before = load_average()
   for name in names:
@@ -96,15 +106,19 @@ def timed(runners: dict, baseline: str, rounds: int = MIN_ROUNDS, warmup: int = 
       runners[name]()
   wall: dict[str, list[float]] = {n: [] for n in names}
   cpu: dict[str, list[float]] = {n: [] for n in names}
-  for r in range(rounds):
+  ratio = lambda t, n: _quartiles([a / b for a, b in zip(t[n], t[baseline], strict=True)])
+  wide = lambda q: q["q3"] - q["q1"] > SPREAD * q["median"]
+  r = 0
+  while r < rounds or (r < max_rounds and any(wide(ratio(wall, n)) for n in names)):
     for name in names[r % len(names) :] + names[: r % len(names)]:
       w0, c0 = time.perf_counter(), time.process_time()
       runners[name]()
       wall[name].append(time.perf_counter() - w0)
       cpu[name].append(time.process_time() - c0)
-  ratio = lambda t, n: _quartiles([a / b for a, b in zip(t[n], t[baseline], strict=True)])
+    r += 1
   return {
-    "rounds": rounds,
+    "rounds": r,
+    "stopped": "max_rounds" if any(wide(ratio(wall, n)) for n in names) else "spread",
     "wall_rounds": wall,
     "cpu_rounds": cpu,
     "baseline": baseline,
@@ -141,12 +155,16 @@ def verdict(q: dict, target: float) -> str:
   return "within noise"
 
 
+_STOPPED = {"spread": "", "max_rounds": f" (stopped at the most rounds with a range still wider than {SPREAD:.0%})"}
+
+
 def timing_note(t: dict) -> str:
   """The sentence under a timing table: rounds, what the spread is, the load average before and after."""
   fmt = lambda la: "/".join(f"{x:.2f}" for x in la)
   return (
     f"Median of {t['rounds']} interleaved rounds (order rotated each round), each ratio taken within its round, "
-    f"[interquartile range]; load average (1/5/15 min) {fmt(t['load_before'])} before, {fmt(t['load_after'])} after."
+    f"[interquartile range]{_STOPPED[t.get('stopped', 'spread')]}; load average (1/5/15 min) "
+    f"{fmt(t['load_before'])} before, {fmt(t['load_after'])} after."
   )
 
 
