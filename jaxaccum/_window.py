@@ -63,6 +63,9 @@ class Call(NamedTuple):
   may_be_empty: bool  # some microbatch may not count, so a window can end with total weight 0
   update_shapes: Any  # the abstract updates `inner` gives (for zero updates), or None when never needed
   targets: Any  # unreduced (own jit on an Explicit mesh): each leaf's PartitionSpec after the reduction; else None
+  # A call that applies nothing returns this call's gradients as placeholder updates, and `step` selects zeros
+  # for them outside the cond (see `_passes_grads`); False: it returns materialised zeros.
+  pass_grads: bool = False
 
 
 def check_k_value(k, what: str) -> None:
@@ -152,6 +155,11 @@ def sum_over_shards(sq_by_leaf, leaves, dtype, axis_name):
   return total
 
 
+def leaf_sq(x):
+  """sum(x^2) of one leaf."""
+  return jnp.sum(x * x)
+
+
 def noise_micro_step(stats, acc_grads, grads, w, new_window, axis_name=None, sample=None):
   """Noise statistics of one microbatch: sum_i w_i |g_i|^2 and K, per device, reset lazily like acc_weight.
 
@@ -164,10 +172,8 @@ def noise_micro_step(stats, acc_grads, grads, w, new_window, axis_name=None, sam
   leaves = jax.tree.leaves(grads)
 
   def leaf_sqs(leaves):
-    return [
-      jnp.sum(g.astype(acc.dtype) * g.astype(acc.dtype)).astype(w.dtype)
-      for acc, g in zip(jax.tree.leaves(acc_grads), leaves, strict=True)
-    ]
+    accs = jax.tree.leaves(acc_grads)
+    return [leaf_sq(g.astype(acc.dtype)).astype(w.dtype) for acc, g in zip(accs, leaves, strict=True)]
 
   count = jnp.where(new_window, jnp.zeros_like(stats.acc_count), stats.acc_count)
   counted = w > 0
@@ -189,15 +195,21 @@ def noise_micro_step(stats, acc_grads, grads, w, new_window, axis_name=None, sam
   return stats
 
 
-def noise_window_end(stats, mean, acc_weight, window_sq, window_count, ema_decay: float, axis_name=None):
+def noise_window_end(stats, norm_of, acc_weight, window_sq, window_count, ema_decay: float, axis_name=None):
   """The window's noise estimates from its (all-reduced) sums, folded into the EMAs.
 
-  |g|^2 of the window's mean comes from the all-reduced sum: the same on every device.
+  |g|^2 of the window's mean comes from the all-reduced sum: the same on every
+  device. `norm_of = (tree, scale)`: |g|^2 = scale^2 |tree|^2, the tree being
+  the window's sum sum_i w_i g_i with scale 1 / sum_i w_i where the sum exists
+  (its square then fuses into the one read of the sum, where squaring the mean
+  would materialise mean * mean beside the mean `inner` reads), else the mean.
   Sampled (`window_sq` a pair: sum_S w |g|^2 and B_S), the sampled estimator.
   """
-  leaves = jax.tree.leaves(mean)
+  tree, scale = norm_of
+  leaves = jax.tree.leaves(tree)
   dtype = acc_weight.dtype
-  mean_sq = sum_over_shards([jnp.sum(jnp.square(x.astype(dtype))) for x in leaves], leaves, dtype, axis_name)
+  mean_sq = sum_over_shards([leaf_sq(x.astype(dtype)) for x in leaves], leaves, dtype, axis_name)
+  mean_sq = mean_sq * jnp.square(jnp.asarray(scale, dtype))
   if isinstance(window_sq, tuple):
     sq, sampled_weight = window_sq
     grad_sq, trace_cov, valid = noise.sampled_window_estimates(sq, sampled_weight, window_count, acc_weight, mean_sq)
@@ -257,6 +269,7 @@ def step(cfg: Config, grads, state, params, weight, extra_args, apply: bool, unr
   # A window can end empty (total weight 0) only if some microbatch may not count;
   # a window-end call that counts by construction (weight 1) makes it non-empty.
   call = _plan(cfg, grads, state, params, stats, acc_weight, extra_args, apply, unreduced, single, keep is not None)
+  call = call._replace(pass_grads=call.update_shapes is not None and _passes_grads(cfg, call))
 
   operands = (acc_grads, acc_weight, state.inner_state, params, stats)
   if single:
@@ -270,6 +283,7 @@ def step(cfg: Config, grads, state, params, weight, extra_args, apply: bool, unr
     branches = functools.partial(emit, cfg, call), functools.partial(hold, call)
     out, inner_state, updated, stats = parallel.cond(is_last, *branches, operands)
     micro_step = jnp.where(is_last, jnp.zeros_like(micro_step), micro_step)
+  out = select_updates(call, out, updated)
   empty = is_last & jnp.logical_not(updated)
   return out, state._replace(
     micro_step=micro_step,
@@ -317,6 +331,42 @@ def _plan(cfg: Config, grads, state, params, stats, acc_weight, extra_args, appl
   return Call(grads, extra_args, apply, single, may_be_empty, update_shapes, targets)
 
 
+def _passes_grads(cfg: Config, call: Call) -> bool:
+  """Whether a call that applies nothing may return its gradients in place of zero updates (selected out later).
+
+  Through the plain API a micro-step's zero updates are decided at run time, so
+  returned from the cond they are written as a params-sized buffer, read again
+  by the caller's `apply_updates`. Returning this call's gradient buffers
+  instead (the add into the accumulator has just read them; passed through the
+  cond, not copied) and selecting `where(updated, u, 0)` after the cond lets
+  XLA fuse the select into the caller's `apply_updates`: no zeros are written.
+  (Passing the accumulator instead would make XLA copy it: it is also the
+  state's output.) A gradient that XLA would otherwise fuse into the add (an
+  elementwise one, no dot or reduction behind it) is then materialised; a
+  layer's weight and bias gradients are materialised anyway. Only inside a jit
+  (eager calls fuse nothing) and where the gradient has the update's exact
+  type: the same shape and dtype, no mesh axis in its sharding and no varying
+  manual axis (without `axis_name`, not in the user's own jit on an Explicit mesh).
+  """
+  if cfg.axis_name is not None or call.targets is not None or call.apply:
+    return False
+  for g, u in zip(jax.tree.leaves(call.grads), jax.tree.leaves(call.update_shapes), strict=True):
+    if not isinstance(g, jax.core.Tracer) or jnp.shape(g) != u.shape or jnp.result_type(g) != u.dtype:
+      return False
+    aval = jax.typeof(g)
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    if (spec is not None and any(axis is not None for axis in spec)) or getattr(aval, "vma", None):
+      return False
+  return True
+
+
+def select_updates(call: Call, out, updated):
+  """The updates of a call whose idle branches passed the gradients through: zeros unless `updated`."""
+  if not call.pass_grads:
+    return out
+  return jax.tree.map(lambda u: jnp.where(updated, u, jnp.zeros([], u.dtype)), out)
+
+
 def idle(call: Call, acc_grads, params):
   """What a call that applies nothing returns: zero updates, or the parameters as they are.
 
@@ -326,6 +376,8 @@ def idle(call: Call, acc_grads, params):
   """
   if call.apply:
     return params
+  if call.pass_grads:  # selected out after the cond (`select_updates`)
+    return call.grads
   if call.targets is not None:  # unreduced: the accumulator's type is not the updates' (see `targets`)
     return jax.tree.map(lambda u, t: jnp.zeros(u.shape, u.dtype, out_sharding=t), call.update_shapes, call.targets)
   return jax.tree.map(lambda a, u: _tree.zeros_like_sharded(a, u.dtype), acc_grads, call.update_shapes)
@@ -343,11 +395,11 @@ def emit(cfg: Config, call: Call, operands):
     window_sq, window_count = stats.acc_sq, stats.acc_count
     if cfg.sample is not None:
       window_sq = (stats.acc_sq, stats.acc_sampled_weight)
-  mean, acc_weight, window_sq, window_count = reduce_window(
+  mean, acc_weight, window_sq, window_count, norm_of = reduce_window(
     cfg, acc_grads, acc_weight, window_sq, window_count, call.targets
   )
   if cfg.tracking:
-    stats = noise_window_end(stats, mean, acc_weight, window_sq, window_count, cfg.ema_decay, cfg.axis_name)
+    stats = noise_window_end(stats, norm_of, acc_weight, window_sq, window_count, cfg.ema_decay, cfg.axis_name)
 
   inner_operands = (mean, acc_weight, inner_state, params)
   if call.may_be_empty:
@@ -392,7 +444,9 @@ def hold(call: Call, operands):
 def reduce_window(cfg: Config, acc_grads, acc_weight, window_sq, window_count, targets):
   """The window's mean sum w g / sum w, its total weight sum w and noise scalars, reduced over `axis_name`.
 
-  Returns (mean in the accumulator's dtypes, total weight, window_sq, window_count).
+  Returns (mean in the accumulator's dtypes, total weight, window_sq, window_count,
+  norm_of): `norm_of = (tree, scale)` with mean = scale * tree, the reduced sums
+  and 1 / total where they exist (see `noise_window_end`), else (mean, 1).
   Without `axis_name`: the local mean. Under pmap/shard_map: one all-reduce
   of (sum w g, sum w), the noise statistics' two scalars riding along with the
   weight (no extra collective). With `comm_dtype` the wire is normalised: the
@@ -409,19 +463,26 @@ def reduce_window(cfg: Config, acc_grads, acc_weight, window_sq, window_count, t
     safe = jnp.where(total > 0, total, jnp.ones_like(total))  # an empty window: no 0/0 (it applies nothing)
     return jax.tree.map(lambda a: a / safe.astype(a.dtype), sums)
 
+  def of_sums(sums, total, mean):
+    if jnp.finfo(total.dtype).bits < 32:  # a float16 sum squared overflows where the mean squared does not
+      return mean, 1
+    return sums, 1 / jnp.where(total > 0, total, jnp.ones_like(total))
+
   if cfg.axis_name is None:
-    return divide(acc_grads, acc_weight), acc_weight, window_sq, window_count
+    mean = divide(acc_grads, acc_weight)
+    return mean, acc_weight, window_sq, window_count, of_sums(acc_grads, acc_weight, mean)
   if targets is not None:
     if cfg.comm_dtype is None:
       sums = jax.tree.map(lambda a, t: _unreduced.reduce(a, cfg.axis_name, t), acc_grads, targets)
-      return divide(sums, acc_weight), acc_weight, window_sq, window_count
+      mean = divide(sums, acc_weight)
+      return mean, acc_weight, window_sq, window_count, of_sums(sums, acc_weight, mean)
     safe = jnp.where(acc_weight > 0, acc_weight, jnp.ones_like(acc_weight))
     mean = jax.tree.map(
       lambda a, t: _unreduced.reduce(_unreduced.scale(a, 1 / safe, cfg.axis_name), cfg.axis_name, t, cfg.comm_dtype),
       acc_grads,
       targets,
     )
-    return mean, acc_weight, window_sq, window_count
+    return mean, acc_weight, window_sq, window_count, (mean, 1)
   scalars = acc_weight
   sampled = isinstance(window_sq, tuple)  # noise_scale_sample: (sum_S w |g|^2, B_S), one scalar more
   if cfg.tracking:
@@ -431,11 +492,13 @@ def reduce_window(cfg: Config, acc_grads, acc_weight, window_sq, window_count, t
     sums, scalars = lax.psum((acc_grads, scalars), cfg.axis_name)
     total = scalars[0] if cfg.tracking else scalars
     mean = divide(sums, total)
+    norm_of = of_sums(sums, total, mean)
   else:
     scalars = lax.psum(scalars, cfg.axis_name)
     total = scalars[0] if cfg.tracking else scalars
     mean = parallel.all_reduce_sum(divide(acc_grads, total), cfg.axis_name, cfg.comm_dtype)
+    norm_of = (mean, 1)
   if cfg.tracking:
     window_sq = (scalars[1], scalars[2]) if sampled else scalars[1]
-    return mean, total, window_sq, scalars[-1]
-  return mean, total, None, None
+    return mean, total, window_sq, scalars[-1], norm_of
+  return mean, total, None, None, norm_of

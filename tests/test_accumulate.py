@@ -225,6 +225,39 @@ def test_no_copy_of_inner_state_on_micro_steps():
     assert _hlo.count(hlo, "conditional") >= 1
 
 
+def test_micro_step_writes_no_zero_updates(monkeypatch):
+  """Through the plain API (update, then apply_updates in the caller's jit) a micro-step's zero updates are a
+  select fused into the caller's apply_updates: the compiled step makes no params-sized buffer from a constant
+  (materialised zeros), and the updates are exactly +0 even for a NaN gradient of weight 0."""
+  from jaxaccum import _window
+
+  # A dense layer: its weight gradient is a dot, its bias gradient a sum over rows (both materialised anyway).
+  params = {"w": jnp.ones((64, 32)) / 8, "b": jnp.ones((32,))}
+  loss_fn = lambda p, x: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2)
+  x = jnp.linspace(-1.0, 1.0, 4 * 64).reshape(4, 64)
+  tx = ja.accumulate(optax.adam(0.1), 4)
+
+  @jax.jit
+  def updates_of(params, state, x, weight):
+    return tx.update(jax.grad(loss_fn)(params, x), state, params, weight=weight)
+
+  def zeros_made():
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, state, x):
+      updates, state = tx.update(jax.grad(loss_fn)(params, x), state, params)
+      return optax.apply_updates(params, updates), state
+
+    hlo = step.lower(params, tx.init(params), x).compile().as_text()
+    return re.findall(r"= f64\[64,32\]\{1,0\} fusion\(%constant[.\d]*\)", hlo)
+
+  state = tx.init(params)
+  updates, state = updates_of(params, state, x.at[0, 0].set(jnp.nan), jnp.float64(0.0))
+  assert all(bool(jnp.all(u == 0)) and not bool(jnp.any(jnp.signbit(u))) for u in jax.tree.leaves(updates))
+  assert zeros_made() == []
+  monkeypatch.setattr(_window, "_passes_grads", lambda *args: False)  # what the check would see otherwise
+  assert zeros_made()
+
+
 @pytest.mark.parametrize("k, skip_nonfinite", [(1, False), (3, False), (3, True)])
 def test_fused_apply_gradients_is_update_then_apply_updates(problem, k, skip_nonfinite):
   """`tx.update.apply_gradients` (what ja.flax uses) equals update + apply_updates.

@@ -63,3 +63,49 @@ def test_bench_is_a_subpackage_with_one_module_per_section():
     [sys.executable, "-m", "jaxaccum.bench", "--sections", "nope"], capture_output=True, text=True, timeout=120
   )
   assert proc.returncode == 2 and "unknown sections ['nope']" in proc.stderr, proc.stderr
+
+
+def test_timed_interleaves_rotates_and_reports_the_spread():
+  """`common.timed`, the bench's one timing helper: >= 7 rounds, the order rotated, ratios per round."""
+  from jaxaccum.bench import common
+
+  calls = []
+  runners = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+  with pytest.raises(ValueError, match="rounds=3"):
+    common.timed(runners, "a", rounds=3)
+  with pytest.raises(ValueError, match="baseline='z'"):
+    common.timed(runners, "z")
+  with pytest.raises(ValueError, match="max_rounds=5"):
+    common.timed(runners, "a", rounds=7, max_rounds=5)
+  t = common.timed(runners, "a", rounds=7, warmup=1, max_rounds=7)
+  timed_calls = calls[3:]
+  assert timed_calls[:9] == list("abcbcacab")  # A B C, then B C A, then C A B
+  assert t["rounds"] == 7 and all(len(t["wall_rounds"][n]) == 7 for n in "abc")
+  assert t["stopped"] in ("spread", "max_rounds")  # microsecond runners: their ratios may well stay wide
+  assert t["ratio"]["a"] == {"median": 1.0, "q1": 1.0, "q3": 1.0, "min": 1.0, "max": 1.0}
+  assert len(t["load_before"]) == 3 and len(t["load_after"]) == 3
+  q = common.ratio_between({"wall_rounds": {"x": [2.0, 4.0, 6.0], "y": [1.0, 2.0, 2.0]}}, "x", "y")
+  assert q["median"] == 2.0 and q["min"] == 2.0 and q["max"] == 3.0
+
+
+def test_verdicts_say_within_noise_when_the_spread_straddles_the_target():
+  from jaxaccum.bench import common
+
+  q = lambda q1, median, q3: {"q1": q1, "median": median, "q3": q3}
+  assert common.verdict(q(0.50, 0.55, 0.60), 0.70) == "met"
+  assert common.verdict(q(0.72, 0.75, 0.80), 0.70) == "not met"
+  assert common.verdict(q(0.65, 0.69, 0.74), 0.70) == "within noise"  # the median alone would say met
+  assert common.ratio_cell(q(0.53, 0.55, 0.57)) == "0.55x [0.53, 0.57]"
+  assert common.ratio_cell(q(0.997, 1.012, 1.025), percent=True) == "+1.2% [-0.3, +2.5]"
+
+
+def test_every_section_names_the_code_it_measures():
+  """The hash stored with each result (a region older than its code fails `figures --check`)."""
+  import jaxaccum.bench as bench
+
+  assert set(bench.MEASURES) == set(SECTIONS)
+  for name in SECTIONS:
+    files = [p.name for p in bench.measured_files(name)]
+    assert "common.py" in files and len(files) >= 3, (name, files)
+    assert len(bench.code_hash(name)) == 16
+  assert bench.code_hash("accumulate") != bench.code_hash("noise")

@@ -14,7 +14,16 @@ RESULT = {
   "title": "demo: two tables",
   "markdown": "Some prose, N = 1.50 MiB.\n\n| case | K | peak (MiB) | ms |\n|---|---:|---:|---:|\n"
   "| a | 4 | 7.59 | 10.1 |\n| b | 4 | 40.71 | 12.0 |\n\n| x | y |\n|---|---|\n| 1 | 2 |",
-  "header": {"date": "2026-01-02", "backend": "cpu", "machine": "x86_64, 2 cores, Linux", "jax": "0.10.2"},
+  "header": {
+    "date": "2026-01-02",
+    "time": "05:12 UTC",
+    "commit": "abc1234",
+    "backend": "cpu",
+    "machine": "x86_64, 2 cores, Linux",
+    "jax": "0.10.2",
+    "load": [1.5, 1.25, 1.0],
+    "load_after": [1.75, 1.5, 1.0],
+  },
 }
 
 
@@ -43,10 +52,12 @@ def test_regions_are_rewritten_whole_as_a_table_or_a_cell():
   new, changed = figures.rewrite(page, _results(), "page.md")
   assert len(changed) == 4
   assert "Some prose, N = 1.50 MiB." in new and "stale" not in new
-  assert "peak <!-- bench:demo/two-tables" in new and "-->40.71<!-- /bench --> MiB" in new
+  assert "peak <!-- bench:demo/two-tables" in new and "40.71</span><!-- /bench --> MiB" in new
   assert "| case | peak (MiB) |\n|---|---:|\n| b | 40.71 |\n" in new
   assert "| x | y |\n|---|---|\n| 1 | 2 |\n" in new
-  assert "2026-01-02" in new and "x86_64, 2 cores" in new  # the run each table comes from
+  # The run each table and each cell comes from: commit, date and time (UTC), machine, jax, load average.
+  for run in ("abc1234", "2026-01-02 05:12 UTC", "x86_64, 2 cores", "jax 0.10.2", "load average 1.50/1.25/1.00"):
+    assert new.count(run) == 4, run
   assert "<!-- bench:other/thing -->keep<!-- /bench -->" in new  # no such result: left alone
   again, changed = figures.rewrite(new, _results(), "page.md")
   assert again == new and changed == []  # idempotent: a second run changes nothing
@@ -76,7 +87,8 @@ def test_check_and_update_on_pages_and_notebooks(tmp_path):
   figures.update(results, tmp_path)
   assert figures.update(results, tmp_path, write=False) == []
   source = "".join(json.loads((tmp_path / "notebooks" / "n.ipynb").read_text())["cells"][0]["source"])
-  assert source == 'x <!-- bench:demo/two-tables row="a" col="ms" -->10.1<!-- /bench -->'
+  assert source.startswith('x <!-- bench:demo/two-tables row="a" col="ms" --><span title="From python -m jaxaccum')
+  assert source.endswith('">10.1</span><!-- /bench -->')
   assert figures.unknown_regions(results, tmp_path) == []
   assert figures.unknown_regions({}, tmp_path) == ["README.md: demo/two-tables", "notebooks/n.ipynb: demo/two-tables"]
 
@@ -95,14 +107,88 @@ def test_a_region_that_disagrees_with_a_fresh_result_is_reported():
 
 
 def test_every_page_matches_the_store():
-  """`python -m jaxaccum.bench.figures --check`: no page prints a figure other than the stored run's."""
+  """`python -m jaxaccum.bench.figures --check`: no page prints a figure other than the stored run's, no store
+  entry is unreferenced or older than the code it measures, no figure or target verdict is typed by hand."""
   results = figures.load(figures.ROOT / figures.STORE)
-  assert figures.unknown_regions(results) == []
-  assert figures.update(results, write=False) == []
+  assert figures.problems(results) == []
   marked = [p for p in figures.pages() if "<!-- bench:" in p.read_text()]
   for path in marked:  # a `|` in a marker would split the markdown table row it sits in
     assert all("|" not in m.group("opts") for m in figures.regions(path.read_text())), path
   assert pathlib.Path(figures.ROOT / "docs" / "benchmarks.md") in marked
+
+
+def _page(tmp_path, text):
+  (tmp_path / "docs").mkdir(exist_ok=True)
+  (tmp_path / "README.md").write_text(text)
+  return tmp_path
+
+
+def test_a_figure_typed_outside_a_region_is_refused(tmp_path):
+  region = '<!-- bench:demo/two-tables row="a" col="ms" --><!-- /bench -->'
+  results = _results()
+  figures.update(results, _page(tmp_path, f"The step takes {region} ms.\n"))
+  assert figures.problems(results, tmp_path) == []
+  page = (tmp_path / "README.md").read_text()
+  (tmp_path / "README.md").write_text(page + "\nA skipped update: up to 1.32x lower peak.\n")
+  (found,) = figures.problems(results, tmp_path)
+  assert found.startswith("README.md:3: figure '1.32x' typed outside a bench region"), found
+  # Targets (a bound before the figure), code blocks, and paragraphs that say why they are typed pass.
+  for fine in ("Target: <= 1.05x the full batch.", "```\n1.32x\n```", "L = 1.00 MiB <!-- typed: on paper -->"):
+    (tmp_path / "README.md").write_text(page + "\n" + fine + "\n")
+    assert figures.problems(results, tmp_path) == [], fine
+
+
+def test_a_target_verdict_typed_outside_a_region_is_refused(tmp_path):
+  results = _results()
+  for typed in (
+    "The 2% target is met only for large microbatches.",
+    "Time at B=128: not met.",
+    "The overhead is within noise of its target.",
+  ):
+    _page(tmp_path, typed + "\n")
+    (found,) = figures.typed_verdicts(tmp_path)
+    assert "verdict" in found and "typed outside a bench region" in found, found
+  # From a region it is the bench's word; "within noise" comparing two rows (no target named) is prose.
+  _page(
+    tmp_path,
+    'Target: <!-- bench:demo/two-tables table=2 row="1" col="y" --><!-- /bench -->.\n'
+    "int4 lands within noise of the float rows.\n",
+  )
+  figures.update(results, tmp_path)
+  assert figures.problems(results, tmp_path) == []
+
+
+def test_an_unreferenced_or_stale_entry_is_refused(tmp_path):
+  from jaxaccum.bench import code_hash
+
+  results = _results()
+  other = figures.structured("noise", {**RESULT, "section": "noise", "title": "noise scale: cost of measuring it"})
+  results[other["id"]] = other
+  figures.update(results, _page(tmp_path, "<!-- bench:demo/two-tables table=2 --><!-- /bench -->\n"))
+  assert figures.problems(results, tmp_path) == [
+    "store entry no page references: noise/noise-scale-cost-of-measuring-it"
+  ]
+  del results[other["id"]]
+  results["demo/two-tables"]["code"] = "0123456789abcdef"  # measured on other code than the checkout's
+  (found,) = figures.problems(results, tmp_path)
+  assert found.startswith("stale: demo/two-tables: measured at commit abc1234"), found
+  results["demo/two-tables"]["code"] = code_hash("demo")
+  assert figures.problems(results, tmp_path) == []
+
+
+def test_check_command_fails_on_a_page_with_a_typed_figure(tmp_path):
+  """The command line, as CI runs it: exit 1 and the line that says where."""
+  results = _results()
+  figures.update(results, _page(tmp_path, "<!-- bench:demo/two-tables table=2 --><!-- /bench -->\n"))
+  figures.save(results, tmp_path / "store.json")
+  check = [sys.executable, "-m", "jaxaccum.bench.figures", "--check", "--root", str(tmp_path)]
+  check += ["--store", str(tmp_path / "store.json")]
+  proc = subprocess.run(check, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  with open(tmp_path / "README.md", "a") as f:
+    f.write("\nAccumulate is 0.55x MultiSteps.\n")
+  proc = subprocess.run(check, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 1 and "README.md:11: figure '0.55x' typed outside a bench region" in proc.stderr
 
 
 def _verify(level):

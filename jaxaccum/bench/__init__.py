@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib
 import json
 import os
+import pathlib
 import platform
+import subprocess
+import time
 
 SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "fsdp", "noise", "grad", "per_example")
 
@@ -35,19 +39,75 @@ def _setup_devices(num_devices: int) -> None:
     pass
 
 
+# What each section measures, as file patterns under jaxaccum/: their hash is stored with each result, and
+# `python -m jaxaccum.bench.figures --check` fails on a result whose measured code has changed since (a stale
+# region). The section's own bench module and bench/common.py always count.
+MEASURES = {
+  "accumulate": ("accumulate.py", "_window.py", "_tree.py", "noise.py", "parallel.py"),
+  "microbatch": ("microbatch.py", "train_step.py", "_engine.py", "_split.py", "_sums.py", "parallel.py", "_tree.py"),
+  "flax": ("flax.py", "accumulate.py", "_window.py", "_tree.py", "parallel.py"),
+  "lowcomm": ("lowcomm*.py", "_lowcomm*/*.py", "_quantize.py", "slowlink.py", "train_step.py", "_engine.py"),
+  "sharded": ("sharded.py", "train_step.py", "_engine.py", "_unreduced.py", "parallel.py"),
+  "fsdp": ("train_step.py", "_engine.py", "_layerwise.py", "sharded.py", "parallel.py"),
+  "noise": ("accumulate.py", "_window.py", "noise.py", "_tree.py", "parallel.py"),
+  "grad": ("grad.py", "accumulate.py", "_window.py", "_unreduced.py", "_tree.py"),
+  "per_example": ("per_example.py", "_per_device.py", "_tree.py"),
+}
+_BENCH_FILES = {"lowcomm": ("bench/lowcomm.py", "bench/textlm.py")}
+
+
+def measured_files(section: str) -> list[pathlib.Path]:
+  """The files whose code a section's figures depend on (see `MEASURES`), sorted."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  patterns = (*MEASURES.get(section, ()), *_BENCH_FILES.get(section, (f"bench/{section}.py",)), "bench/common.py")
+  return sorted({p for pattern in patterns for p in root.glob(pattern) if p.is_file()})
+
+
+def code_hash(section: str) -> str:
+  """A hash of the measured code: stored with each result, compared by `figures --check` (a stale region)."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  h = hashlib.sha256()
+  for path in measured_files(section):
+    h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+  return h.hexdigest()[:16]
+
+
+def _commit() -> str:
+  """The checkout's commit (short), "+dirty" when jaxaccum/ has uncommitted changes; "unknown" outside git."""
+  root = pathlib.Path(__file__).resolve().parents[2]
+  try:
+    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=30, check=True)
+    commit = run("rev-parse", "--short", "HEAD").stdout.strip()
+    dirty = run("status", "--porcelain", "--", "jaxaccum").stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+  return commit + ("+dirty" if dirty else "")
+
+
 def run_header(quick: bool) -> dict:
-  """When, where and with what a run was measured: the JSON's header, printed under each docs table."""
+  """When, where and with what a run was measured: each result's header, printed under each docs figure."""
   import jax  # noqa: PLC0415
 
+  now = datetime.datetime.now(datetime.UTC)
   return {
-    "date": datetime.date.today().isoformat(),
+    "date": now.date().isoformat(),
+    "time": now.strftime("%H:%M UTC"),
+    "commit": _commit(),
     "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
     "backend": jax.default_backend(),
     "devices": [str(d.device_kind) for d in jax.devices()][:1] + [f"x{jax.device_count()}"],
     "jax": jax.__version__,
     "python": platform.python_version(),
+    "load": _load(),
     "quick": quick,
   }
+
+
+def _load() -> list[float]:
+  try:
+    return [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    return []
 
 
 def main(argv=None) -> int:
@@ -66,16 +126,23 @@ def main(argv=None) -> int:
 
   header = run_header(args.quick)
   print(
-    f"# jaxaccum benchmark ({header['date']}, {header['backend']}, {header['machine']}, "
-    f"jax {header['jax']}{', quick' if args.quick else ''})\n"
+    f"# jaxaccum benchmark ({header['date']} {header['time']}, {header['commit']}, {header['backend']}, "
+    f"{header['machine']}, jax {header['jax']}, load {header['load']}{', quick' if args.quick else ''})\n"
   )
   results: list[dict] = []
   for name in sections:
     module = importlib.import_module(f"jaxaccum.bench.{name}")
-    for result in module.run(quick=args.quick):
+    # Each section's own header (its start time, the load before and after it) and the hash of the code it measures.
+    section_header = run_header(args.quick)
+    start = time.perf_counter()
+    section_results = module.run(quick=args.quick)
+    section_header.update(load_after=_load(), seconds=round(time.perf_counter() - start, 1))
+    for result in section_results:
       print(f"## {result['title']}\n\n{result['markdown']}\n", flush=True)
       # With its id and its tables as structured rows: what `python -m jaxaccum.bench.figures` reads.
-      results.append(structured(name, {"section": name, **result}))
+      result = {"section": name, **result, "header": section_header, "code": code_hash(name)}
+      results.append(structured(name, result))
+    print(f"<!-- section {name}: {section_header['seconds']} s -->", flush=True)
   report = {"header": header, "sections": results}
   with open(args.json, "w") as f:
     json.dump(report, f, indent=2, default=float)

@@ -6,6 +6,7 @@ the number of CPU devices first).
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -44,22 +45,127 @@ def tree_bytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def interleaved_medians(runners: dict, repeats: int) -> dict:
-  """Runs each runner twice to warm up, then `repeats` rounds in turn; median seconds per run.
+def load_average() -> list[float]:
+  """The machine's 1, 5 and 15 minute load averages (what else ran while a timing was taken)."""
+  try:
+    return [round(x, 2) for x in os.getloadavg()]
+  except OSError:  # not on every platform
+    return [float("nan")] * 3
 
-  Interleaving spreads the shared machine's noise over every runner alike, so
-  the ratios of one call are comparable even when the absolute times are not.
+
+MIN_ROUNDS = 7  # the fewest rounds any timing takes: below that an interquartile range means little
+
+
+def _quartiles(values) -> dict:
+  q1, median, q3 = np.percentile(np.asarray(values, np.float64), [25, 50, 75])
+  return {
+    "median": float(median),
+    "q1": float(q1),
+    "q3": float(q3),
+    "min": float(np.min(values)),
+    "max": float(np.max(values)),
+  }
+
+
+SPREAD = 0.05  # `timed` adds rounds while an interquartile range is wider than this share of its median
+
+
+def timed(
+  runners: dict, baseline: str, rounds: int = MIN_ROUNDS, warmup: int = 2, max_rounds: int | None = None
+) -> dict:
+  """The one timing helper of the bench: runners interleaved round by round, ratios against `baseline` per round.
+
+  Every runner runs `warmup` times, then rounds in which each runs once, the
+  order rotated every round (A B C, B C A, ...) so no runner always follows
+  the same one. A ratio is taken within a round (runner / baseline, measured
+  seconds apart), so a load change between rounds moves both sides alike; its
+  median over the rounds is the figure, and its quartiles and min-max say how
+  far to trust it. After `rounds` (at least `MIN_ROUNDS`) it goes on until the
+  spread is known: while some ratio's interquartile range is wider than
+  `SPREAD` of its median, up to `max_rounds` (default 2 x `rounds`; a loaded
+  machine ends there, with its wide range printed). Wall time and this
+  process's CPU time (all its threads) are both kept; the load average is read
+  before and after.
+
+  Returns {"rounds", "stopped": "spread" | "max_rounds", "wall_rounds": {name: [seconds per round]},
+  "cpu_rounds", "baseline", "load_before", "load_after", "seconds": {name: median}, "cpu_seconds",
+  "min_seconds": {name: fastest round}, "ratio": {name: quartiles}, "cpu_ratio"},
+  quartiles = {"median", "q1", "q3", "min", "max"}.
   """
-  for run in runners.values():
-    run()
-    run()
-  times: dict[str, list[float]] = {name: [] for name in runners}
-  for _ in range(repeats):
-    for name, run in runners.items():
-      start = time.perf_counter()
-      run()
-      times[name].append(time.perf_counter() - start)
-  return {name: float(np.median(t)) for name, t in times.items()}
+  if rounds < MIN_ROUNDS:
+    raise ValueError(f"{rounds=} must be >= {MIN_ROUNDS}: fewer rounds do not give a spread")
+  if baseline not in runners:
+    raise ValueError(f"{baseline=} must be one of {list(runners)}")
+  max_rounds = 2 * rounds if max_rounds is None else max_rounds
+  if max_rounds < rounds:
+    raise ValueError(f"{max_rounds=} must be >= {rounds=}")
+  names = list(runners)
+  load_before = load_average()
+  for name in names:
+    for _ in range(warmup):
+      runners[name]()
+  wall: dict[str, list[float]] = {n: [] for n in names}
+  cpu: dict[str, list[float]] = {n: [] for n in names}
+  ratio = lambda t, n: _quartiles([a / b for a, b in zip(t[n], t[baseline], strict=True)])
+  wide = lambda q: q["q3"] - q["q1"] > SPREAD * q["median"]
+  r = 0
+  while r < rounds or (r < max_rounds and any(wide(ratio(wall, n)) for n in names)):
+    for name in names[r % len(names) :] + names[: r % len(names)]:
+      w0, c0 = time.perf_counter(), time.process_time()
+      runners[name]()
+      wall[name].append(time.perf_counter() - w0)
+      cpu[name].append(time.process_time() - c0)
+    r += 1
+  return {
+    "rounds": r,
+    "stopped": "max_rounds" if any(wide(ratio(wall, n)) for n in names) else "spread",
+    "wall_rounds": wall,
+    "cpu_rounds": cpu,
+    "baseline": baseline,
+    "load_before": load_before,
+    "load_after": load_average(),
+    "seconds": {n: float(np.median(t)) for n, t in wall.items()},
+    "cpu_seconds": {n: float(np.median(t)) for n, t in cpu.items()},
+    "min_seconds": {n: float(np.min(t)) for n, t in wall.items()},
+    "ratio": {n: ratio(wall, n) for n in names},
+    "cpu_ratio": {n: ratio(cpu, n) for n in names},
+  }
+
+
+def ratio_between(t: dict, name: str, base: str, cpu: bool = False) -> dict:
+  """Quartiles of `name` / `base` taken round by round from a `timed` result (a second baseline)."""
+  rounds = t["cpu_rounds" if cpu else "wall_rounds"]
+  return _quartiles([a / b for a, b in zip(rounds[name], rounds[base], strict=True)])
+
+
+def ratio_cell(q: dict, percent: bool = False) -> str:
+  """A ratio as printed: the median and its interquartile range, "0.55x [0.53, 0.57]" or "+1.2% [-0.3, +2.5]"."""
+  if percent:
+    p = lambda x: f"{100 * (x - 1):+.1f}"
+    return f"{p(q['median'])}% [{p(q['q1'])}, {p(q['q3'])}]"
+  return f"{q['median']:.2f}x [{q['q1']:.2f}, {q['q3']:.2f}]"
+
+
+def verdict(q: dict, target: float) -> str:
+  """A ratio against an upper bound `target`: "met", "not met", or "within noise" when its IQR straddles it."""
+  if q["q3"] <= target:
+    return "met"
+  if q["q1"] > target:
+    return "not met"
+  return "within noise"
+
+
+_STOPPED = {"spread": "", "max_rounds": f" (stopped at the most rounds with a range still wider than {SPREAD:.0%})"}
+
+
+def timing_note(t: dict) -> str:
+  """The sentence under a timing table: rounds, what the spread is, the load average before and after."""
+  fmt = lambda la: "/".join(f"{x:.2f}" for x in la)
+  return (
+    f"Median of {t['rounds']} interleaved rounds (order rotated each round), each ratio taken within its round, "
+    f"[interquartile range]{_STOPPED[t.get('stopped', 'spread')]}; load average (1/5/15 min) "
+    f"{fmt(t['load_before'])} before, {fmt(t['load_after'])} after."
+  )
 
 
 def count_big_copies(hlo_text: str) -> int:

@@ -6,34 +6,40 @@ A region of a markdown page (docs/, README.md) or of a notebook's markdown
 cell is marked with HTML comments, invisible once rendered, and rewritten:
 
     <!-- bench:fsdp/every-strategys-per-device-peak -->
-    ... the result's markdown, then a line naming the run (date, machine, jax) ...
+    ... the result's markdown, then its run line ...
     <!-- /bench -->
 
-The id is the section and the slug of the result's title (`result_id`).
-Options after the id select part of a result:
+The run line names the command, the commit, the date and time (UTC), the
+machine, the jax version and the load average before and after the section
+(`run_text`). The id is the section and the slug of the result's title
+(`result_id`). Options after the id select part of a result:
 
 - `table=N`: only its N-th table (from 1), with the run line;
 - `cols="a;b"`: only those columns (by header), `rows="x;y"`: only the rows
   whose first cell is one of them (both imply a table, default the first);
 - `row="listed;4;(c) jaxaccum fsdp once" col="peak (MiB)"`: one cell, inline
   (a row is chosen by its leading cells), for a figure in running text or in
-  a table's cell (hence `;`, not `|`, between names).
+  a table's cell (hence `;`, not `|`, between names); it carries its run line
+  as a tooltip (`<span title="From ...">`).
 
 The figures live in one store, docs/bench_results.json (every result the docs
-print, each with the header of the run that measured it: date, machine, jax).
+print, each with its run's header and a hash of the code it measured).
 `--json report.json` merges a fresh bench report into it (a run of a few
-sections replaces those), then every page is rewritten from it. `--check`
-rewrites nothing and exits 1 if a page differs from the store. `--verify fast|full`
-recomputes the deterministic results (compiled memory, collective counts, HLO
-bytes: the same for a given jax/XLA on any machine) and exits 1 when a page
-prints other figures (tests/test_figures.py); `--refresh fast|full` stores those
-recomputed results and rewrites the pages, without a timing run. Timings stay
-as their run measured them, with its date and machine.
+sections replaces those), drops the entries no page shows, then every page is
+rewritten from it. `--check` rewrites nothing and exits 1 on anything
+`problems` finds: a region unlike the store or without an entry, an entry no
+page shows, an entry older than the code it measures, a figure or a target
+verdict typed outside a region. `--verify fast|full` recomputes the
+deterministic results (compiled memory, collective counts, HLO bytes: the same
+for a given jax/XLA on any machine) and exits 1 when a page prints other
+figures (tests/test_figures.py); `--refresh fast|full` stores those recomputed
+results and rewrites the pages, without a timing run.
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import pathlib
 import re
@@ -107,12 +113,32 @@ def _options(text: str) -> dict[str, str]:
   return opts
 
 
-def run_line(header: dict, section: str) -> str:
+def run_text(header: dict, section: str) -> str:
+  """The run a figure comes from, as plain text: command, commit, date and time (UTC), machine, jax, load average."""
+  unknown = "not recorded"
+  load = header.get("load")
+  after = header.get("load_after")
+  fmt = lambda la: "/".join(f"{x:.2f}" for x in la)
+  load_text = f"load average {fmt(load)}" + (f" to {fmt(after)}" if after else "") if load else f"load {unknown}"
   return (
-    f"<sub>From `python -m jaxaccum.bench --sections {section}`, {header['date']}, {header['backend']} "
-    f"({header['machine']}), jax {header['jax']}{', quick' if header.get('quick') else ''}; "
-    "rewritten by `python -m jaxaccum.bench.figures`.</sub>"
+    f"python -m jaxaccum.bench --sections {section} at commit {header.get('commit', unknown)}, {header['date']} "
+    f"{header.get('time', '(time ' + unknown + ')')}, {header['backend']} ({header['machine']}), jax {header['jax']}, "
+    f"{load_text}{', quick' if header.get('quick') else ''}"
   )
+
+
+def run_line(header: dict, section: str) -> str:
+  """The line under a block: which run measured it (`run_text`)."""
+  return f"<sub>From `{run_text(header, section)}`; rewritten by `python -m jaxaccum.bench.figures`.</sub>"
+
+
+_CELL = re.compile(r'<span title="From [^"]*">(?P<value>.*?)</span>', re.S)
+
+
+def cell_value(text: str) -> str:
+  """An inline cell's figure without its run line."""
+  m = _CELL.fullmatch(text)
+  return m.group("value") if m else text
 
 
 def _table_markdown(table: dict, cols: list[str] | None, rows: list[str] | None) -> str:
@@ -145,7 +171,9 @@ def render(result: dict, opts: dict[str, str]) -> str:
       raise KeyError(f"{result['id']}: {len(found)} rows start with {want}")
     if opts["col"] not in table["columns"]:
       raise KeyError(f"{result['id']}: column {opts['col']!r} not in {table['columns']}")
-    return found[0][table["columns"].index(opts["col"])]
+    value = found[0][table["columns"].index(opts["col"])]
+    # The run line rides along in a tooltip: inline cells sit in running text and in table cells.
+    return f'<span title="From {html.escape(run_text(result["header"], result["section"]))}">{value}</span>'
   if opts:
     table = result["tables"][int(opts.get("table", "1")) - 1]
     split = lambda key: opts[key].split(";") if key in opts else None
@@ -212,7 +240,7 @@ def merge(store: dict[str, dict], new: dict[str, dict]) -> dict[str, dict]:
 
 
 def save(results: dict[str, dict], path: str | pathlib.Path) -> None:
-  latest = max((r["header"] for r in results.values()), key=lambda h: h["date"])
+  latest = max((r["header"] for r in results.values()), key=lambda h: (h["date"], h.get("time", "")), default={})
   report = {"header": latest, "sections": list(results.values())}
   pathlib.Path(path).write_text(json.dumps(report, indent=1, default=float) + "\n")
 
@@ -242,6 +270,97 @@ def unknown_regions(results: dict[str, dict], root: pathlib.Path = ROOT) -> list
     for m in regions(path.read_text()):
       if m.group("id") not in results:
         out.append(f"{path.relative_to(root)}: {m.group('id')}")
+  return out
+
+
+# --------------------------------------------------------------------------- what --check refuses
+
+# Figures typed by hand are refused on the markdown pages (not in notebooks, whose tables their own code
+# cells print): a decimal number with a unit the bench prints (x, %, ms, MiB) outside a region and a fenced
+# code block, unless a bound precedes it (a target: "<= 1.05x", "~ 3.8x") or its paragraph says why it is
+# typed with an HTML comment `<!-- typed: why -->` (arithmetic on paper, say).
+MARKDOWN_PAGES = ("README.md", "docs/*.md", "docs/guides/*.md")
+_FIGURE = re.compile(r"(?<![\w.])[-+]?\d+\.\d+\s?(?:x|%|ms|MiB)(?!\w)")
+_BOUND_BEFORE = re.compile(r"(?:<=|>=|<|>|≤|≥|~|≈|&lt;=|&lt;|&gt;)\s*$")
+# Phrases that compare a measurement with its target: they must come from a region (a verdict cell), where
+# the bench decides them from the spread ("within noise" when the interquartile range straddles the bound).
+# "within noise" counts in a sentence that names a target (elsewhere it may compare two rows of a table).
+_VERDICT = re.compile(
+  r"\b(?:not met|(?:is|are|was|were|be) met|met only|targets? (?:is |are )?met|"
+  r"meets? (?:the|its|their|every) targets?|miss(?:es)? (?:the|its|their) targets?)\b"
+  r"|\bwithin noise\b(?=[^.;]*\btargets?\b)|\btargets?\b[^.;]*\bwithin noise\b",
+  re.I,
+)
+
+
+def _blanked(text: str) -> str:
+  """The text with regions and fenced code blocks blanked (newlines kept, so line numbers stay)."""
+  blank = lambda m: re.sub(r"[^\n]", " ", m.group(0))
+  return re.sub(r"^```.*?^```", blank, _REGION.sub(blank, text), flags=re.S | re.M)
+
+
+def _typed(pattern: re.Pattern, what: str, root: pathlib.Path, paths=None) -> list[str]:
+  out = []
+  for path in paths if paths is not None else sorted({p for g in MARKDOWN_PAGES for p in root.glob(g)}):
+    text = _blanked(path.read_text())
+    offset = 0
+    for paragraph in re.split(r"(\n\s*\n)", text):
+      if "<!-- typed:" not in paragraph:
+        for m in pattern.finditer(paragraph):
+          if what == "figure" and _BOUND_BEFORE.search(paragraph[: m.start()]):
+            continue
+          line = text.count("\n", 0, offset + m.start()) + 1
+          out.append(f"{path.relative_to(root)}:{line}: {what} {m.group(0)!r} typed outside a bench region")
+      offset += len(paragraph)
+  return out
+
+
+def typed_figures(root: pathlib.Path = ROOT, paths=None) -> list[str]:
+  """Measured-looking figures typed by hand on the markdown pages (see `_FIGURE`), as "path:line: ..."."""
+  return _typed(_FIGURE, "figure", root, paths)
+
+
+def typed_verdicts(root: pathlib.Path = ROOT, paths=None) -> list[str]:
+  """Target verdicts ("met", "not met", "within noise") typed by hand: prose must take them from a region."""
+  return _typed(_VERDICT, "verdict", root, paths)
+
+
+def unreferenced(results: dict[str, dict], root: pathlib.Path = ROOT) -> list[str]:
+  """Store entries no page shows (a region removed or renamed): the store holds what the docs print, nothing else."""
+  shown = set()
+  for path in pages(root):
+    shown |= {m.group("id") for m in regions(path.read_text())}
+  return sorted(set(results) - shown)
+
+
+def stale(results: dict[str, dict]) -> list[str]:
+  """Entries measured on other code than the checkout's: the hash stored with each (`bench.code_hash`) differs."""
+  from jaxaccum.bench import code_hash, measured_files  # noqa: PLC0415
+
+  out = []
+  for rid, r in sorted(results.items()):
+    if "code" in r and r["code"] != code_hash(r["section"]):
+      files = ", ".join(str(p.relative_to(ROOT)) for p in measured_files(r["section"]))
+      out.append(
+        f"{rid}: measured at commit {r['header'].get('commit', '?')}; the code it measures ({files}) has changed "
+        f"since: rerun `python -m jaxaccum.bench --sections {r['section']}`"
+      )
+  return out
+
+
+def unstamped(results: dict[str, dict]) -> list[str]:
+  """Entries from runs before run lines named the commit, the time and the load (a warning: rerun to stamp them)."""
+  return sorted(rid for rid, r in results.items() if not {"commit", "time", "load"} <= set(r["header"]))
+
+
+def problems(results: dict[str, dict], root: pathlib.Path = ROOT) -> list[str]:
+  """Everything `--check` refuses: regions unlike the store or without an entry, entries no page shows, entries
+  older than the code they measure, figures and target verdicts typed outside a region."""
+  out = [f"differs from the store: {c}" for c in update(results, root, write=False)]
+  out += [f"no result in the store for the region {r}" for r in unknown_regions(results, root)]
+  out += [f"store entry no page references: {r}" for r in unreferenced(results, root)]
+  out += [f"stale: {r}" for r in stale(results)]
+  out += typed_figures(root) + typed_verdicts(root)
   return out
 
 
@@ -285,10 +404,10 @@ def _compare(region: re.Match, fresh: dict, cols: tuple | None, where: str) -> l
   if "row" in opts:
     if cols and opts["col"] not in cols:
       return []
-    want = render(fresh, opts)
+    have, want = cell_value(have), cell_value(render({**fresh, "header": _NO_HEADER}, opts))
     return [] if have == want else [f"{where}: {fresh['id']} {opts}: the page says {have!r}, the bench {want!r}"]
   if cols is None and not opts:  # the whole result: prose and tables alike (the run line aside)
-    strip = lambda text: re.sub(r"<sub>From .*?</sub>", "", text).strip()
+    strip = lambda text: re.sub(r"<sub>From .*?</sub>", "", text, flags=re.S).strip()
     same = strip(have) == strip(fresh["markdown"])
     return [] if same else [f"{where}: {fresh['id']}: the page differs from the bench:\n{fresh['markdown']}"]
   page_tables = tables(have)
@@ -334,7 +453,13 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jaxaccum.bench.figures", description=__doc__.split("\n\n")[0])
   parser.add_argument("--json", help="a fresh `python -m jaxaccum.bench --json` report to merge into the store first")
   parser.add_argument("--store", default=str(ROOT / STORE), help=f"the figures the docs print (default {STORE})")
-  parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page differs from the store")
+  parser.add_argument(
+    "--check",
+    action="store_true",
+    help="change nothing; exit 1 if a page differs from the store, a store entry is unreferenced or stale, or a "
+    "page types a figure or a target verdict outside a region",
+  )
+  parser.add_argument("--root", default=str(ROOT), help="the checkout whose pages are read (default: this one)")
   parser.add_argument(
     "--verify",
     choices=("fast", "full"),
@@ -352,7 +477,10 @@ def main(argv=None) -> int:
     _setup_devices(8)
   if args.refresh:
     header = run_header(quick=False)
-    fresh = {rid: {**r, "header": header} for rid, (r, _) in recompute(args.refresh).items()}
+    from jaxaccum.bench import code_hash  # noqa: PLC0415
+
+    recomputed = recompute(args.refresh)
+    fresh = {rid: {**r, "header": header, "code": code_hash(r["section"])} for rid, (r, _) in recomputed.items()}
     save(merge(load(args.store) if pathlib.Path(args.store).exists() else {}, fresh), args.store)
   if args.verify:
     differences = verify(args.verify)
@@ -360,21 +488,36 @@ def main(argv=None) -> int:
       print(line)
     print(f"{len(differences)} deterministic figure(s) differ from the bench at HEAD ({args.verify})")
     return 1 if differences else 0
+  root = pathlib.Path(args.root).resolve()
   results = load(args.store) if pathlib.Path(args.store).exists() or args.check else {}
-  if args.json:
-    if args.check:
+  if args.check:
+    if args.json:
       parser.error("--check compares the pages with the store: run it without --json")
+    found = problems(results, root)
+    for line in found:
+      print(line, file=sys.stderr)
+    warn = unstamped(results)
+    if warn:
+      print(
+        f"warning: {len(warn)} entries come from runs without a commit, time and load in their run line",
+        file=sys.stderr,
+      )
+    if found:
+      print(f"{len(found)} problem(s): see docs/benchmarks.md, 'How the figures are kept'", file=sys.stderr)
+      return 1
+    return 0
+  if args.json:
     results = merge(results, load(args.json))
+  dropped = unreferenced(results, root)
+  for rid in dropped:  # the store holds what the pages print
+    print(f"dropped from the store (no page shows it): {rid}")
+    del results[rid]
+  if args.json or dropped:
     save(results, args.store)
-  changed = update(results, write=not args.check)
-  missing = unknown_regions(results)
-  for line in changed:
-    print(("differs: " if args.check else "rewritten: ") + line)
-  for line in missing:
+  for line in update(results, root):
+    print("rewritten: " + line)
+  for line in unknown_regions(results, root):
     print(f"no result in {args.store} for the region {line}", file=sys.stderr)
-  if args.check and (changed or missing):
-    print(f"{len(changed)} region(s) differ from {args.store}: run `python -m jaxaccum.bench.figures`", file=sys.stderr)
-    return 1
   return 0
 
 

@@ -1,8 +1,8 @@
 """Benchmark section: ja.flax.TrainState vs optax.MultiSteps through flax's TrainState.
 
 Time per window of K micro-steps, each a jitted, donated `apply_gradients`
-step (gradient included), measured side by side with interleaved repeats;
-only the ratios within one run mean anything on a shared machine.
+step (gradient included), measured side by side in interleaved rounds
+(`common.timed`), each ratio with its spread.
 """
 
 from __future__ import annotations
@@ -15,7 +15,18 @@ import optax
 
 from jaxaccum.accumulate import accumulate
 from jaxaccum.bench import accumulate as _ba
-from jaxaccum.bench.common import count_big_copies, interleaved_medians, mlp_apply, mlp_loss, mlp_params
+from jaxaccum.bench.common import (
+  MIN_ROUNDS,
+  count_big_copies,
+  mlp_apply,
+  mlp_loss,
+  mlp_params,
+  ratio_between,
+  ratio_cell,
+  timed,
+  timing_note,
+  verdict,
+)
 
 
 def _runner(state, batches):
@@ -42,7 +53,7 @@ def run(quick: bool = False) -> list[dict]:
   from jaxaccum import flax as ja_flax  # noqa: PLC0415
 
   width, depth, k = (128, 4, 16) if quick else (512, 4, 16)
-  repeats = 3 if quick else 15
+  rounds = MIN_ROUNDS if quick else 15
   micro_batch = 8
   params = mlp_params(jax.random.PRNGKey(0), width, depth)
   inner = optax.adam(1e-3)
@@ -60,37 +71,49 @@ def run(quick: bool = False) -> list[dict]:
   ja_run, ja_hlo = _runner(
     ja_flax.TrainState.create(apply_fn=mlp_apply, params=fresh(), tx=accumulate(inner, k)), batches
   )
-  tx_run, _, _ = _ba._transform_runner(accumulate(inner, k), params, batches)
-  times = interleaved_medians(
-    {
-      "flax TrainState + optax.MultiSteps": ms_run,
-      "ja.flax.TrainState + ja.accumulate": ja_run,
-      "ja.accumulate, plain optax API": tx_run,
-      "add-only floor (two jitted functions)": _ba._add_only_runner(inner, params, batches),
-    },
-    repeats,
-  )
-  base = times["flax TrainState + optax.MultiSteps"]
-  rows = [f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x |" for name, t in times.items()]
+  runners = {
+    "flax TrainState + optax.MultiSteps": ms_run,
+    "ja.flax.TrainState + ja.accumulate": ja_run,
+    "ja.accumulate, plain optax API": _ba._transform_runner(accumulate(inner, k), params, batches)[0],
+    "add-only floor (two jitted functions)": _ba._add_only_runner(inner, params, batches),
+  }
+  base, floor = "flax TrainState + optax.MultiSteps", "add-only floor (two jitted functions)"
+  t = timed(runners, base, rounds)
+  vs_floor = {n: ratio_between(t, n, floor) for n in runners}
+  targets = {
+    "ja.flax.TrainState + ja.accumulate": (
+      f"<= 0.55x MultiSteps: {verdict(t['ratio']['ja.flax.TrainState + ja.accumulate'], 0.55)}; "
+      f"<= 1.10x add-only: {verdict(vs_floor['ja.flax.TrainState + ja.accumulate'], 1.10)}"
+    )
+  }
+  rows = [
+    f"| {name} | {t['seconds'][name] * 1e3:.1f} | {ratio_cell(t['ratio'][name])} | {ratio_cell(vs_floor[name])} | "
+    f"{targets.get(name, '')} |"
+    for name in runners
+  ]
   data = {
     "k": k,
     "micro_batch": micro_batch,
     "width": width,
     "depth": depth,
-    "repeats": repeats,
-    "seconds_per_window": times,
-    "ratio_vs_multisteps": {n: t / base for n, t in times.items()},
+    "rounds": rounds,
+    "timing": t,
+    "seconds_per_window": t["seconds"],
+    "ratio_vs_multisteps": {n: q["median"] for n, q in t["ratio"].items()},
+    "ratio_vs_add_only": vs_floor,
+    "targets": targets,
     "big_copies_in_step_hlo": {"MultiSteps": count_big_copies(ms_hlo), "ja.flax.TrainState": count_big_copies(ja_hlo)},
   }
   table = "\n".join(
     [
       f"MLP {depth} x {width}, adam, float32, K={k}, B={micro_batch}; time per window of K jitted, donated "
-      f"`apply_gradients` steps (gradient included), median of {repeats} interleaved repeats. "
-      "Target: ja.flax.TrainState <= 0.55x.",
+      "`apply_gradients` steps (gradient included). Targets: ja.flax.TrainState <= 0.55x MultiSteps, and within 10% "
+      'of the add-only floor; a verdict is "within noise" when the interquartile range straddles the bound.',
       "",
-      "| method | ms / window | vs MultiSteps |",
-      "|---|---:|---:|",
+      "| method | ms / window | vs MultiSteps | vs add-only | target |",
+      "|---|---:|---:|---:|---|",
     ]
     + rows
+    + ["", timing_note(t)]
   )
   return [{"title": "flax: TrainState time per window", "markdown": table, "data": data}]

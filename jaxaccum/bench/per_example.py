@@ -12,7 +12,7 @@ in one run:
   return_grad_norms=True)` where jax-privacy is installed (optional: the
   library does not depend on it).
 
-Time: median of interleaved repeats of the jitted function. Memory: XLA's
+Time: `common.timed`, interleaved rounds of the jitted function. Memory: XLA's
 compiled memory analysis (arguments + outputs - aliases + temp).
 Touches no device at import.
 """
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum.bench.common import interleaved_medians, mlp_batch, mlp_loss, mlp_params
+from jaxaccum.bench.common import MIN_ROUNDS, mlp_batch, mlp_loss, mlp_params, ratio_cell, timed, timing_note
 from jaxaccum.per_example import micro_grad
 from jaxaccum.planner import compiled_memory_bytes
 
@@ -73,7 +73,7 @@ def _candidates(rows: int, k: int) -> dict:
 
 def run(quick: bool = False) -> list[dict]:
   width, depth, rows = (64, 2, 64) if quick else (256, 4, 256)
-  repeats = 3 if quick else 11
+  repeats = MIN_ROUNDS if quick else 11
   params = mlp_params(jax.random.PRNGKey(0), width, depth)
   batch = mlp_batch(jax.random.PRNGKey(1), rows, width)
   fns, memory = {}, {}
@@ -92,17 +92,18 @@ def run(quick: bool = False) -> list[dict]:
         )
         assert diff < 1e-4, (name, diff)
       fns[name] = lambda f=jitted: jax.block_until_ready(f(params, batch))
-  times = interleaved_medians(fns, repeats)
-  base = times["ja.micro_grad K=1"]
+  t = timed(fns, "ja.micro_grad K=1", repeats)
+  times = t["seconds"]
   md = [
     f"MLP {depth} x {width}, float32, B={rows}: per-example gradients clipped to norm {CLIP:g}, summed, "
-    f"and the per-example norms; jitted, median of {repeats} interleaved repeats. Memory: XLA's compiled "
+    f"and the per-example norms; jitted. Memory: XLA's compiled "
     "memory analysis (arguments + outputs + temp). jax_privacy rows appear where jax-privacy is installed.",
     "",
     "| function | ms | vs ja.micro_grad K=1 | memory MiB |",
     "|---|---:|---:|---:|",
   ]
-  md += [f"| {n} | {t * 1e3:.2f} | {t / base:.2f}x | {memory[n] / 2**20:.1f} |" for n, t in times.items()]
+  md += [f"| {n} | {s * 1e3:.2f} | {ratio_cell(t['ratio'][n])} | {memory[n] / 2**20:.1f} |" for n, s in times.items()]
+  md += ["", timing_note(t)]
   return [
     {
       "title": "micro_grad: per-example clipped gradients",
@@ -113,7 +114,8 @@ def run(quick: bool = False) -> list[dict]:
         "batch": rows,
         "seconds": times,
         "memory_bytes": memory,
-        "time_ratio_vs_micro_grad_k1": {n: t / base for n, t in times.items()},
+        "time_ratio_vs_micro_grad_k1": {n: q["median"] for n, q in t["ratio"].items()},
+        "timing": t,
       },
     }
   ]
