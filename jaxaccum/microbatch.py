@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxaccum import _tree, _unreduced, parallel
 from jaxaccum._split import leading_size, split, weights
-from jaxaccum._sums import _check_reductions, _checked_total, _reduce_partial_sums, _single, finish, local_sums
+from jaxaccum._sums import PER_ROW, _check_reductions, _checked_total, _reduce_partial_sums, _single, finish, local_sums
 
 
 def _check_int_arg(value, name: str) -> int:
@@ -371,7 +371,11 @@ def microbatch(
     # num_real_microbatches=0 asks for nothing: zeros (total weight 0) eagerly too, as under jit and in optax.
     none_real = num_real_microbatches is not None and _tree.is_concrete(num_real_microbatches)
     none_real = none_real and int(num_real_microbatches) == 0
-    sums = local_sums(run, sp, ws, reductions=reductions, accumulator_dtype=accumulator_dtype, skip=skip)
+    reds = reductions
+    if reductions is None:
+      unsplit = [a for j, a in enumerate(args) if j not in idx] + [v for n, v in kwargs.items() if n not in names]
+      reds = functools.partial(default_reductions, unsplit=unsplit)
+    sums = local_sums(run, sp, ws, reductions=reds, accumulator_dtype=accumulator_dtype, skip=skip)
     # Partial sums (ja.grad's, without axis_name) are divided in `finish`, by a reduced reciprocal.
     has_partial_sums = any(_unreduced.axes_of(s) for s in jax.tree.leaves(sums.like))
     if own_jit:
@@ -386,6 +390,35 @@ def microbatch(
     return (out, total) if return_total_weight else out
 
   return wrapped
+
+
+def default_reductions(like, unsplit):
+  """`microbatch`'s reductions when none are named: the one per-example default (docs/guides/microbatch.md).
+
+  A subtree of the outputs with the structure and shapes of an unsplit
+  argument (the gradient of `jax.value_and_grad(loss)` w.r.t. the parameters)
+  is averaged; every other leaf gets `PER_ROW`: concatenated in row order when
+  its leading size is a microbatch's rows (a per-example aux such as logits),
+  averaged otherwise.
+  """
+  signatures = {_signature(a) for a in unsplit}
+
+  def walk(tree):
+    if _signature(tree) in signatures:
+      return jax.tree.map(lambda _: "mean", tree)
+    children, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)
+    if treedef.num_leaves == 1 and len(children) == 1 and children[0] is tree:
+      return PER_ROW
+    return jax.tree_util.tree_unflatten(treedef, [walk(c) for c in children])
+
+  return walk(like)
+
+
+def _signature(tree):
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return None
+  return treedef, tuple(tuple(jnp.shape(x)) if hasattr(x, "shape") else None for x in leaves)
 
 
 def pad_microbatches(microbatches, num_microbatches: int, *, num_devices: int = 1):

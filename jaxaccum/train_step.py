@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxaccum import _engine, _tree, sharded
 from jaxaccum import noise as _noise
 from jaxaccum._split import leading_size
-from jaxaccum._sums import _check_reductions
+from jaxaccum._sums import PER_ROW, _check_reductions
 from jaxaccum.microbatch import check_accumulator_dtype, check_binds, check_skip_empty
 
 _CLOSURE_HINT = (
@@ -360,6 +360,8 @@ def make_train_step(
   # Names checked now; the trees against the outputs when the step is traced.
   _check_reductions(aux_reductions)
   _check_reductions(state_reductions)
+  if has_aux and aux_reductions is None:  # the one default of every entry point (docs/guides/microbatch.md)
+    aux_reductions = PER_ROW
   check_accumulator_dtype(comm_dtype, "comm_dtype")
   comm_dtype = None if comm_dtype is None else jnp.dtype(comm_dtype)
   if not isinstance(strategy, str) or strategy not in sharded.STRATEGIES:

@@ -903,3 +903,37 @@ def test_reduce_on_plateau_gets_the_steps_loss_as_value(problem, devices):
     p, s, _ = step(p, s, data)
   chex.assert_trees_all_close(p, ref, rtol=RTOL, atol=1e-15)
   chex.assert_trees_all_close(s[1], ref_state[1], rtol=RTOL, atol=1e-15)
+
+
+def test_per_example_aux_has_one_default_across_entry_points():
+  """A per-row aux leaf comes back concatenated in row order by default from make_train_step (before: silently
+  averaged over microbatches and devices), ja.grad, ja.microbatch and ja.micro_grad; a scalar leaf is averaged."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))  # with K=4, 8 rows per microbatch: "pred" is shaped as w[1]
+  x, y = regression_data(jax.random.PRNGKey(2), 32)
+
+  def loss(p, batch):
+    err = jnp.sum((mlp_apply(p, batch[0]) - batch[1]) ** 2, -1)
+    return jnp.mean(err), {"err": err, "pred": mlp_apply(p, batch[0]), "mean_err": jnp.mean(err)}
+
+  (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, (x, y))  # plain float64, full batch
+
+  def check(got, name):
+    chex.assert_trees_all_close(got, aux, rtol=RTOL, atol=1e-15, custom_message=name)
+
+  for mesh in (None, ja.data_mesh(devices=jax.devices()[:4])):
+    step = ja.make_train_step(loss, optax.sgd(0.1), num_microbatches=2, mesh=mesh, has_aux=True, donate=False)
+    check(step(params, optax.sgd(0.1).init(params), (x, y))[2]["aux"], f"make_train_step, mesh={mesh}")
+  (v, got), g = jax.jit(ja.microbatch(jax.value_and_grad(loss, has_aux=True), 4))(params, (x, y))
+  check(got, "ja.microbatch")
+  chex.assert_trees_all_close(g, grads, rtol=RTOL, atol=1e-15)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    (v, got), _ = jax.jit(ja.value_and_grad(loss, axis_name="data", has_aux=True))(params, batch)
+  check(got, "ja.value_and_grad")
+  per_row = lambda p, b: loss(p, b)  # micro_grad: every aux is per example, a batch of one each
+  _, out = jax.jit(ja.micro_grad(per_row, has_aux=True, num_microbatches=4, keep_batch_dim=False))(params, (x, y))
+  np.testing.assert_allclose(out.aux["err"], aux["err"], rtol=RTOL)
