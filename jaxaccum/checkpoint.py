@@ -419,6 +419,8 @@ def save(path, tree, *, overwrite: bool = False) -> None:
   Raises:
     FileExistsError: something is at `path` (a dangling link included) and
       `overwrite` is False, checked before writing and again at the rename.
+    ValueError: a leaf is not an array or a Python number (a `str`), raised
+      before anything is written.
   """
   path = _path(path)
   if not isinstance(overwrite, bool):
@@ -662,6 +664,9 @@ def restore(path, like):
       checkpoint of 8 devices read in a process with 4). A sharding over an
       abstract mesh (`jax.eval_shape` of sharded arrays) is used with the mesh
       set by `jax.set_mesh` when it matches, else refused naming the leaf.
+      An own-jit `ja.accumulate(axis_name=)` accumulator (unreduced) saved on
+      P devices restores into a `like` on P' devices: its partial sums are
+      re-laid, partial i added to device i mod P' (the same sum).
 
   Returns:
     A tree like `like` (same pytree types, static fields from `like`).

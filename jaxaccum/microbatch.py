@@ -212,7 +212,8 @@ def microbatch(
 
   Reductions. Not every output is a mean: `reductions` names, per output leaf,
 
-  - `"mean"` (default): the weighted mean above;
+  - `"mean"`: the weighted mean above (the default, except for per-example
+    outputs: see `reductions`);
   - `"sum"`: sum_i o_i, unweighted (a count of correct predictions, a summed
     loss); integer leaves are summed in their own dtype;
   - `"concat"`: per-example outputs (logits, per-token losses) of shape
@@ -298,7 +299,10 @@ def microbatch(
       outputs whose leaves are "mean", "sum", "concat" or "last" (a single
       string applies to every leaf), e.g. `(("mean", {"logits": "concat",
       "correct": "sum"}), "mean")` for `value_and_grad(loss, has_aux=True)`.
-      Default: every leaf "mean".
+      Default (None): "concat" for a leaf whose leading size is a
+      microbatch's rows (a per-example aux), "mean" for the others and for a
+      subtree shaped as an unsplit argument (the gradient): the one default of
+      every entry point (docs/guides/microbatch.md, "Per-example outputs").
     return_total_weight: return `(outputs, total_weight)`, the total weight
       sum_i w_i (over all devices with `axis_name`) as a scalar in the
       accumulation dtype: 0 when nothing was averaged.
