@@ -39,6 +39,7 @@ the same step with no skip (`always_applied`).
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -400,16 +401,26 @@ def _last_of_last_device(tree, reductions, axis, ran=None):
   reds = _leaf_reductions(reductions, tree)
   picked = [i for i, r in enumerate(reds) if r == "last"]
   if picked:
-    sent = [leaves[i] for i in picked] + ([] if ran is None else [ran])
+    # A typed PRNG key (jax.random.key) crosses as its raw uint32 data: JAX's all_gather of a key
+    # array fails to lower ("all_gather_invariant" verifier errors). Re-wrapped after, bit for bit.
+    impls = [_key_impl(leaves[i]) for i in picked]
+    sent = [leaves[i] if m is None else jax.random.key_data(leaves[i]) for i, m in zip(picked, impls, strict=True)]
+    sent += [] if ran is None else [ran]
     got = lax.all_gather(parallel.to_varying(sent, axis), axis, to="invarying")
     last: Any = -1  # the last device, or (skip_empty) a traced index
     if ran is not None:
       flags = got.pop() > 0
       n = flags.shape[0]
       last = jnp.where(jnp.any(flags), n - 1 - jnp.argmax(flags[::-1]), n - 1)
-    for i, g in zip(picked, got, strict=True):
-      leaves[i] = g[last]
+    for i, g, impl in zip(picked, got, impls, strict=True):
+      leaves[i] = g[last] if impl is None else jax.random.wrap_key_data(g[last], impl=impl)
   return jax.tree.unflatten(treedef, leaves)
+
+
+def _key_impl(x):
+  """The PRNG implementation of a typed key array (`jax.random.key`), None for any other leaf."""
+  dtype = getattr(x, "dtype", None)
+  return jax.random.key_impl(x) if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key) else None
 
 
 # --------------------------------------------------------------------------- the reducer
@@ -494,13 +505,14 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
     place = lambda tree: jax.tree.map(lambda x, s: sharded._place(x, mesh, s), tree, specs, is_leaf=_is_spec)
     opt_state = place(opt_state)  # a replicated state given to zero1 comes back in zero1's layout
   new_state = out.pop("state", state)
+  extra = _extra_args(cfg.optimizer, out["loss"])
 
   # Each branch takes its slice of the parameters (zero1's is 1/P of the replicated ones): taken
   # before the conditional, the slice would be one more buffer alive beside the branch's result.
   def update(ops):
     params, opt_state, state, new_state = ops
     piece = to_piece(params)
-    updates, opt_state = cfg.optimizer.update(grads, opt_state, piece)
+    updates, opt_state = cfg.optimizer.update(grads, opt_state, piece, **extra)
     return optax.apply_updates(piece, updates), opt_state, new_state
 
   def keep(ops):
@@ -515,7 +527,7 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
     # It runs everywhere on zeros where skipped (no NaN flows in) and keeps only its inner step.
     piece = to_piece(params)
     safe = jax.tree.map(lambda g: jnp.where(applied, g, jnp.zeros_like(g)), grads)
-    updates, new_opt = cfg.optimizer.update(safe, opt_state, piece, inner_applied=applied)
+    updates, new_opt = cfg.optimizer.update(safe, opt_state, piece, inner_applied=applied, **extra)
     new_piece = optax.apply_updates(piece, updates)
     new_state = jax.tree.map(lambda new, old: jnp.where(applied, new, old), new_state, state)
   else:
@@ -547,6 +559,28 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
     grad_sq, trace_cov, valid = est
     metrics["noise_scale"] = _noise.step_estimate(grad_sq, trace_cov, valid)
   return new_piece, new_state, new_opt, metrics
+
+
+def _extra_args(optimizer, loss) -> dict:
+  """`{"value": loss}` for an optimizer that takes extra arguments (optax's `GradientTransformationExtraArgs`).
+
+  optax passes per-step values to `update` as keyword arguments:
+  `optax.contrib.reduce_on_plateau` (and `polyak_sgd`) need `value=`, the
+  loss being minimised. The step's `value` is its loss, `metrics["loss"]`: the
+  global weighted mean over every microbatch of every device, the number a
+  plain loop would pass. `optax.chain` forwards it to the transforms that take
+  it and drops it for the others. An update without `**kwargs` or a `value`
+  parameter gets nothing extra.
+  """
+  if not isinstance(optimizer, optax.GradientTransformationExtraArgs):
+    return {}
+  try:
+    params = inspect.signature(optimizer.update).parameters
+  except (TypeError, ValueError):  # no signature to read (a C callable): optax's contract says it takes kwargs
+    return {"value": loss}
+  if "value" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    return {"value": loss}
+  return {}
 
 
 def _is_spec(x) -> bool:

@@ -27,6 +27,9 @@ REDUCTIONS = ("mean", "sum", "concat", "last")
 
 
 _ADD = "add"  # internal (not a user's reduction): every microbatch's output added as it is
+# Internal: the default of an aux / output leaf left unnamed (docs/guides/microbatch.md, "Per-example outputs"):
+# "concat" when its leading size is a microbatch's rows (a per-example value, returned in row order), else "mean".
+PER_ROW = "per-row default"
 
 
 def _check_reductions(reductions) -> None:
@@ -58,11 +61,15 @@ def check_prefix(reductions, tree, name: str) -> None:
     ) from None
 
 
-def _leaf_reductions(reductions, outs, name: str = "fun's output", arg: str = "reductions=") -> list[str]:
+def _leaf_reductions(
+  reductions, outs, name: str = "fun's output", arg: str = "reductions=", *, rows=None, keep=frozenset()
+) -> list[str]:
   """The reduction of each leaf of `outs`, `reductions` being a tree prefix of `outs`; checks dtypes.
 
   `name` and `arg`: how errors name the outputs and the argument to change (make_train_step: "aux",
-  "aux_reductions=").
+  "aux_reductions="). `PER_ROW` resolves to "concat" for a leaf whose leading size is `rows` (and whose
+  shape is not in `keep`: ja.microbatch's gradients have their parameters' shapes), else to "mean"; with
+  `rows` unknown (None) a leaf of rank >= 1 keeps `PER_ROW` and its dtype is checked later.
   """
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(outs)]
   leaves = jax.tree.leaves(outs)
@@ -76,7 +83,10 @@ def _leaf_reductions(reductions, outs, name: str = "fun's output", arg: str = "r
         f"reductions={reductions!r} is not a tree prefix of fun's outputs (structure {jax.tree.structure(outs)}): {e}"
       ) from None
     reds = [r for r, sub in zip(jax.tree.leaves(reductions), subtrees, strict=True) for _ in jax.tree.leaves(sub)]
+  reds = [_per_row(leaf, rows, keep) if r == PER_ROW else r for leaf, r in zip(leaves, reds, strict=True)]
   for path, leaf, r in zip(paths, leaves, reds, strict=True):
+    if r == PER_ROW:
+      continue
     dtype = leaf.dtype
     if (axes := _unreduced.axes_of(leaf)) and r not in ("mean", "sum"):
       raise ValueError(
@@ -99,6 +109,15 @@ def _leaf_reductions(reductions, outs, name: str = "fun's output", arg: str = "r
         "for it, or cast it to an integer or float"
       )
   return reds
+
+
+def _per_row(leaf, rows, keep) -> str:
+  shape = tuple(jnp.shape(leaf))
+  if not shape:
+    return "mean"
+  if rows is None:
+    return PER_ROW
+  return "concat" if shape[0] == rows and shape not in keep else "mean"
 
 
 def _check_concat_rows(like, reds, rows: int) -> None:
@@ -141,7 +160,9 @@ def _wdtype(leaves, reds, override) -> jnp.dtype:
   )
 
 
-def local_sums(run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, skip=False, check_batch=True) -> Sums:
+def local_sums(
+  run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, skip=False, check_batch=True, keep=frozenset()
+) -> Sums:
   """The microbatch loop: `run(microbatches, i)` for i < K in a `lax.scan`, combined per `reductions`.
 
   `ws` holds the K weights (`weights`); with `skip=True` a microbatch of weight
@@ -150,14 +171,18 @@ def local_sums(run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, s
   collectives: fsdp's per-microbatch gathers); a microbatch run with weight 0
   then writes nothing to any reduction ("concat" rows stay 0, "last" keeps
   the last microbatch of weight > 0). Nothing is divided and nothing crosses
-  devices: `finish` (or make_train_step's reducer) does that.
+  devices: `finish` (or make_train_step's reducer) does that. `keep`: shapes
+  that `PER_ROW` leaves average (see `_leaf_reductions`); `reductions` may be
+  a function of the outputs' abstract tree giving the reductions.
   """
   first = sp.take(0)
   closed, like = jax.make_jaxpr(lambda mbs: run(mbs, 0), return_shape=True)(first)
   if sp.k > 1 and check_batch:
     _check_depends_on_batch(closed.jaxpr, len(jax.tree.leaves(first)), len(jax.tree.leaves(like)))
   shapes, treedef = jax.tree.flatten(like)
-  reds = _leaf_reductions(reductions, like)
+  if callable(reductions):  # ja.microbatch's default: a tree built from the outputs' structure
+    reductions = reductions(like)
+  reds = _leaf_reductions(reductions, like, rows=sp.rows, keep=keep)
   _check_concat_rows(like, reds, sp.rows)
   ws = ws.astype(_wdtype(shapes, reds, accumulator_dtype))
   ok, wsum = jnp.all(_weight_ok(ws)), jnp.sum(ws)

@@ -172,5 +172,7 @@ def zeros_like_sharded(x, dtype=None):
   sharding = getattr(jax.typeof(x), "sharding", None)
   spec = getattr(sharding, "spec", None)
   if spec is not None and any(axis is not None for axis in spec):
-    return jnp.zeros(jnp.shape(x), dtype, out_sharding=spec)
+    # The sharding itself (its mesh included), not its bare spec: a bare PartitionSpec needs a mesh
+    # context (`jax.set_mesh`), which a step jitted by make_train_step on Explicit axes does not enter.
+    return jnp.zeros(jnp.shape(x), dtype, out_sharding=sharding)
   return jnp.zeros(jnp.shape(x), dtype)

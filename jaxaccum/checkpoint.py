@@ -279,9 +279,16 @@ def _remove_stale_tmps(path: str) -> None:
     return
   for name in names:
     match = pattern.match(name)
-    if not match or int(match.group(2), 16) != _host_id() & 0x7FFFFFFF or _process_alive(int(match.group(1))):
+    if not match or int(match.group(2), 16) != _host_id() & 0x7FFFFFFF:
       continue
-    _remove_entry(os.path.join(parent, name))
+    own = os.path.join(parent, name[: len(name) - len(match.group(3) or "")])
+    if own in _ABANDONED or not _process_alive(int(match.group(1))):
+      _remove_entry(os.path.join(parent, name))
+
+
+# Temporary directories of saves in this process that failed: orbax may still create one of them from its
+# own thread after the save raised; the next save to the same path removes it.
+_ABANDONED: set[str] = set()
 
 
 def _process_alive(pid: int) -> bool:
@@ -412,6 +419,8 @@ def save(path, tree, *, overwrite: bool = False) -> None:
   Raises:
     FileExistsError: something is at `path` (a dangling link included) and
       `overwrite` is False, checked before writing and again at the rename.
+    ValueError: a leaf is not an array or a Python number (a `str`), raised
+      before anything is written.
   """
   path = _path(path)
   if not isinstance(overwrite, bool):
@@ -424,6 +433,7 @@ def save(path, tree, *, overwrite: bool = False) -> None:
         f"tree{jax.tree_util.keystr(key_path)} has been deleted (donated to a jitted step?): "
         "save the arrays the step returned, e.g. params, opt_state, metrics = step(...)"
       )
+  _check_leaves(tree)
   # Unreduced leaves (ja.accumulate(axis_name=)'s accumulator in the user's own jit) are saved as each device's
   # partial sum, stacked over the axis: restore gives every device its own bits back (see `_unreduced`).
   tree = jax.tree.map(lambda x: _unreduced.to_stacked(x) if _is_unreduced(x) else x, tree)
@@ -452,6 +462,10 @@ def save(path, tree, *, overwrite: bool = False) -> None:
   except BaseException as e:
     failure = e
     if primary:  # nothing half-written stays behind: our own temporary directories only
+      # orbax creates its `<tmp>.orbax-checkpoint-tmp*` in a thread of its own, which can still be running
+      # when its save has raised (waiting on it can hang): what it makes after this is removed by the next
+      # save to `path` (`_ABANDONED`).
+      _ABANDONED.add(tmp)
       _remove_entry(tmp)
       _remove_orbax_tmps(tmp)  # orbax's own `<tmp>.orbax-checkpoint-tmp*`, our `<tmp>.old*`
     if jax.process_count() == 1:
@@ -463,6 +477,17 @@ def save(path, tree, *, overwrite: bool = False) -> None:
       raise failure
     if not published:
       raise RuntimeError(f"process 0 could not write or publish the checkpoint at {path}; see its error")
+
+
+def _check_leaves(tree) -> None:
+  """A ValueError naming the first leaf orbax cannot store (a str, an object), before any file is written."""
+  for key_path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+      raise ValueError(
+        f"tree{jax.tree_util.keystr(key_path)} is a {type(leaf).__name__} ({leaf!r:.60}): ja.checkpoint.save "
+        "stores arrays and Python numbers only. Keep other values out of the saved tree (e.g. write them "
+        "with json beside the checkpoint), or make them static fields of the state's class"
+      )
 
 
 def _remove_orbax_tmps(tmp: str) -> None:
@@ -639,6 +664,9 @@ def restore(path, like):
       checkpoint of 8 devices read in a process with 4). A sharding over an
       abstract mesh (`jax.eval_shape` of sharded arrays) is used with the mesh
       set by `jax.set_mesh` when it matches, else refused naming the leaf.
+      An own-jit `ja.accumulate(axis_name=)` accumulator (unreduced) saved on
+      P devices restores into a `like` on P' devices: its partial sums are
+      re-laid, partial i added to device i mod P' (the same sum).
 
   Returns:
     A tree like `like` (same pytree types, static fields from `like`).
@@ -679,6 +707,8 @@ def restore(path, like):
     metadata = checkpointer.metadata(path).item_metadata
     stored = metadata.tree if hasattr(metadata, "tree") else metadata
     stored = _flat(stored, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+    relaid = _relaid(stored, _flat(abstract), _flat(targets))
+    abstract = jax.tree_util.tree_map_with_path(lambda p, x: relaid.get(_name(p), (x,))[0], abstract)
     problem = _mismatch(path, stored, _flat(abstract))
     if problem is None:
       try:
@@ -696,7 +726,47 @@ def restore(path, like):
     raise ValueError(problem)
   if manifest is not None:
     _verify_values(path, manifest, restored)
+  # Partial sums saved on another number of devices: re-laid on this mesh's (see `_relaid`).
+  restored = jax.tree_util.tree_map_with_path(
+    lambda p, r: _relay(r, relaid[_name(p)][1]) if _name(p) in relaid else r, restored
+  )
   return jax.tree.map(lambda t, r: _unreduced.from_stacked(r, t) if _is_unreduced(t) else r, targets, restored)
+
+
+def _name(key_path) -> str:
+  return "/".join(_key_name(k) for k in key_path)
+
+
+def _relaid(stored: dict, wanted: dict, targets: dict) -> dict:
+  """{name: (what to read, the stacked struct wanted)} for unreduced leaves saved on another device count.
+
+  An unreduced leaf (`ja.accumulate(axis_name=)`'s accumulator in the user's
+  own jit) is saved as its P partial sums, stacked; its value is their sum. A
+  job resumed on P' != P devices (a preempted run on a smaller slice) reads the
+  P partial sums to the default device and re-lays them, partial i added to
+  device i mod P' (`_relay`): the sum over devices, which is all a window end
+  reads, is the saved one, mid-window too.
+  """
+  out = {}
+  for name, target in targets.items():
+    if name not in stored or not _is_unreduced(target):
+      continue
+    have, want = stored[name], wanted[name]
+    if tuple(have.shape) != tuple(want.shape) and tuple(have.shape[1:]) == tuple(want.shape[1:]):
+      read = jax.ShapeDtypeStruct(
+        tuple(have.shape), want.dtype, sharding=jax.sharding.SingleDeviceSharding(_default_device())
+      )
+      out[name] = (read, want)
+  return out
+
+
+def _relay(stacked, want):
+  """The P partial sums of `stacked` as `want`'s P' (its leading size), partial i added to device i mod P'."""
+  old = np.asarray(stacked)
+  new = np.zeros(want.shape, old.dtype)
+  for i in range(old.shape[0]):
+    new[i % want.shape[0]] += old[i]
+  return jax.device_put(new, want.sharding)
 
 
 def _is_unreduced(x) -> bool:

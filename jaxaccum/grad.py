@@ -172,7 +172,8 @@ def value_and_grad(
       (per-example leaves, returned in the global row order). A string, or a
       tree prefix of aux. None: "concat" for a leaf whose leading dimension is
       the device's rows (the leading size of the first argument sharded over
-      the axis), "mean" for the others.
+      the axis), "mean" for the others: the one default of every entry
+      point (docs/guides/microbatch.md, "Per-example outputs").
 
   Returns:
     A function of `fun`'s arguments returning `(value, grads)` (`((value, aux),

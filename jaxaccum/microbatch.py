@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxaccum import _tree, _unreduced, parallel
 from jaxaccum._split import leading_size, split, weights
-from jaxaccum._sums import _check_reductions, _checked_total, _reduce_partial_sums, _single, finish, local_sums
+from jaxaccum._sums import PER_ROW, _check_reductions, _checked_total, _reduce_partial_sums, _single, finish, local_sums
 
 
 def _check_int_arg(value, name: str) -> int:
@@ -212,7 +212,8 @@ def microbatch(
 
   Reductions. Not every output is a mean: `reductions` names, per output leaf,
 
-  - `"mean"` (default): the weighted mean above;
+  - `"mean"`: the weighted mean above (the default, except for per-example
+    outputs: see `reductions`);
   - `"sum"`: sum_i o_i, unweighted (a count of correct predictions, a summed
     loss); integer leaves are summed in their own dtype;
   - `"concat"`: per-example outputs (logits, per-token losses) of shape
@@ -298,7 +299,10 @@ def microbatch(
       outputs whose leaves are "mean", "sum", "concat" or "last" (a single
       string applies to every leaf), e.g. `(("mean", {"logits": "concat",
       "correct": "sum"}), "mean")` for `value_and_grad(loss, has_aux=True)`.
-      Default: every leaf "mean".
+      Default (None): "concat" for a leaf whose leading size is a
+      microbatch's rows (a per-example aux), "mean" for the others and for a
+      subtree shaped as an unsplit argument (the gradient): the one default of
+      every entry point (docs/guides/microbatch.md, "Per-example outputs").
     return_total_weight: return `(outputs, total_weight)`, the total weight
       sum_i w_i (over all devices with `axis_name`) as a scalar in the
       accumulation dtype: 0 when nothing was averaged.
@@ -371,7 +375,11 @@ def microbatch(
     # num_real_microbatches=0 asks for nothing: zeros (total weight 0) eagerly too, as under jit and in optax.
     none_real = num_real_microbatches is not None and _tree.is_concrete(num_real_microbatches)
     none_real = none_real and int(num_real_microbatches) == 0
-    sums = local_sums(run, sp, ws, reductions=reductions, accumulator_dtype=accumulator_dtype, skip=skip)
+    reds = reductions
+    if reductions is None:
+      unsplit = [a for j, a in enumerate(args) if j not in idx] + [v for n, v in kwargs.items() if n not in names]
+      reds = functools.partial(default_reductions, unsplit=unsplit)
+    sums = local_sums(run, sp, ws, reductions=reds, accumulator_dtype=accumulator_dtype, skip=skip)
     # Partial sums (ja.grad's, without axis_name) are divided in `finish`, by a reduced reciprocal.
     has_partial_sums = any(_unreduced.axes_of(s) for s in jax.tree.leaves(sums.like))
     if own_jit:
@@ -386,6 +394,35 @@ def microbatch(
     return (out, total) if return_total_weight else out
 
   return wrapped
+
+
+def default_reductions(like, unsplit):
+  """`microbatch`'s reductions when none are named: the one per-example default (docs/guides/microbatch.md).
+
+  A subtree of the outputs with the structure and shapes of an unsplit
+  argument (the gradient of `jax.value_and_grad(loss)` w.r.t. the parameters)
+  is averaged; every other leaf gets `PER_ROW`: concatenated in row order when
+  its leading size is a microbatch's rows (a per-example aux such as logits),
+  averaged otherwise.
+  """
+  signatures = {_signature(a) for a in unsplit}
+
+  def walk(tree):
+    if _signature(tree) in signatures:
+      return jax.tree.map(lambda _: "mean", tree)
+    children, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)
+    if treedef.num_leaves == 1 and len(children) == 1 and children[0] is tree:
+      return PER_ROW
+    return jax.tree_util.tree_unflatten(treedef, [walk(c) for c in children])
+
+  return walk(like)
+
+
+def _signature(tree):
+  leaves, treedef = jax.tree.flatten(tree)
+  if not leaves:
+    return None
+  return treedef, tuple(tuple(jnp.shape(x)) if hasattr(x, "shape") else None for x in leaves)
 
 
 def pad_microbatches(microbatches, num_microbatches: int, *, num_devices: int = 1):

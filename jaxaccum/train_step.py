@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxaccum import _engine, _tree, sharded
 from jaxaccum import noise as _noise
 from jaxaccum._split import leading_size
-from jaxaccum._sums import _check_reductions
+from jaxaccum._sums import PER_ROW, _check_reductions
 from jaxaccum.microbatch import check_accumulator_dtype, check_binds, check_skip_empty
 
 _CLOSURE_HINT = (
@@ -242,7 +242,8 @@ def make_train_step(
   by default a floating leaf is their weighted mean (BatchNorm running
   statistics: see the module docstring for how that compares with the full
   batch) and any other leaf (counters, flags, PRNG keys) is the last one's,
-  that of the last microbatch of the last device. The new state must have the
+  that of the last microbatch of the last device (a typed `jax.random.key`
+  too, bit for bit). The new state must have the
   structure of the state passed in; it comes back in its dtypes.
 
   Args:
@@ -251,6 +252,10 @@ def make_train_step(
       of `batch` (see `weight_fn`). It must take the batch as an argument
       (not close over it).
     optimizer: an optax transformation; it runs once per step, replicated.
+      One that takes extra arguments (`optax.GradientTransformationExtraArgs`
+      whose `update` accepts `value` or `**kwargs`, e.g. `optax.contrib.
+      reduce_on_plateau`) is called with `value=` the step's loss,
+      `metrics["loss"]`.
     num_microbatches: K, microbatches per device per step (int >= 1). The
       batch's leading size must be divisible by P * K.
     mesh: None to run on the default device; otherwise a mesh with axis
@@ -266,7 +271,8 @@ def make_train_step(
       axis (pmean inside) is a ValueError: pass the plain per-batch loss.
     data_axis: the mesh axis the batch is split over.
     has_aux: `loss_fn` returns `(loss, aux)`; aux (array pytree) is combined
-      per `aux_reductions`, by default averaged like the loss.
+      per `aux_reductions` (by default per-example leaves concatenated, the
+      others averaged like the loss).
     weight_fn: `weight_fn(microbatch) -> scalar` weight of a microbatch, e.g.
       `lambda b: b["mask"].sum()` for a masked-mean loss; default equal weights.
     donate: donate `params`, `opt_state` (and `state`) buffers to the outputs:
@@ -277,7 +283,10 @@ def make_train_step(
       as `ja.microbatch`'s `reductions` (a tree prefix of aux; "mean", "sum",
       "concat", "last"), e.g. `{"logits": "concat", "correct": "sum"}`: per-
       example logits come back for the whole batch in its row order. "last"
-      is the last microbatch of the last device. Default: every leaf "mean".
+      is the last microbatch of the last device. Default: "concat" for a
+      leaf whose leading size is a microbatch's rows (per-example values,
+      back in row order), "mean" for the others: the one default of every
+      entry point (docs/guides/microbatch.md, "Per-example outputs").
     has_state: thread model state through the step (see above).
     state_reductions: a tree prefix of the state naming each leaf's
       reduction; default "mean" for floating leaves, "last" for the others.
@@ -370,6 +379,8 @@ def make_train_step(
   # Names checked now; the trees against the outputs when the step is traced.
   _check_reductions(aux_reductions)
   _check_reductions(state_reductions)
+  if has_aux and aux_reductions is None:  # the one default of every entry point (docs/guides/microbatch.md)
+    aux_reductions = PER_ROW
   check_accumulator_dtype(comm_dtype, "comm_dtype")
   comm_dtype = None if comm_dtype is None else jnp.dtype(comm_dtype)
   if not isinstance(strategy, str) or strategy not in sharded.STRATEGIES:

@@ -1,11 +1,13 @@
 """ja.checkpoint: save mid-window, restore, continue == never interrupted, bit for bit."""
 
+import contextlib
 import hashlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 
@@ -516,3 +518,108 @@ def test_an_unreadable_manifest_is_corruption_not_a_missing_one(tmp_path):
   manifest.rmdir()
   os.rename(tmp_path / "moved.json", manifest)
   chex.assert_trees_all_equal(ja.checkpoint.restore(path, params), params)
+
+
+def _settled(directory, want, seconds=3.0):
+  """os.listdir(directory) once it equals `want`, or after `seconds` (orbax creates directories from a thread)."""
+  end = time.monotonic() + seconds
+  while sorted(os.listdir(directory)) != want and time.monotonic() < end:
+    time.sleep(0.05)
+  return sorted(os.listdir(directory))
+
+
+def test_a_leaf_orbax_refuses_is_named_and_leaves_no_orbax_debris(tmp_path, monkeypatch):
+  """A `str` leaf: refused by name before orbax starts (before: orbax's "Unsupported type" raised while its own
+  thread went on to create `<tmp>.orbax-checkpoint-tmp` beside the checkpoint, and the next good save left it)."""
+  before = set(threading.enumerate())
+  with pytest.raises(ValueError) as refused:
+    ja.checkpoint.save(tmp_path / "ck", {"w": jnp.ones(3), "name": "run-1"})
+  for thread in set(threading.enumerate()) - before:  # orbax's, if it started any: let them finish
+    with contextlib.suppress(Exception):  # orbax's threads re-raise their own failure from join
+      thread.join(30)
+  ja.checkpoint.save(tmp_path / "ck", {"w": jnp.ones(3)})
+  assert sorted(os.listdir(tmp_path)) == ["ck"]
+  assert "tree['name'] is a str" in str(refused.value)
+  # A directory orbax's thread creates after a failed save has raised goes with the next save to the path.
+  tmp = str(tmp_path / f"ck2.jaxaccum-tmp-{os.getpid()}-00000000-{'0' * 16}")
+  monkeypatch.setattr(ja.checkpoint, "_tmp_path", lambda path: tmp)
+  monkeypatch.setattr(ja.checkpoint, "_host_id", lambda: 0)
+  with monkeypatch.context() as m:
+    m.setattr(ja.checkpoint, "_write_manifest", lambda *a: exec("raise OSError('disk full')"))
+    with pytest.raises(OSError, match="disk full"):
+      ja.checkpoint.save(tmp_path / "ck2", {"w": jnp.ones(3)})
+  os.makedirs(tmp + ".orbax-checkpoint-tmp")  # as orbax's thread would, late
+  monkeypatch.setattr(ja.checkpoint, "_tmp_path", lambda path: tmp + "1")
+  ja.checkpoint.save(tmp_path / "ck2", {"w": jnp.ones(3)})
+  assert sorted(os.listdir(tmp_path)) == ["ck", "ck2"]
+  np.testing.assert_array_equal(ja.checkpoint.restore(tmp_path / "ck2", like={"w": jnp.zeros(3)})["w"], np.ones(3))
+
+
+def test_interrupted_and_misdirected_saves_leave_no_orbax_debris(tmp_path, monkeypatch):
+  params = {"w": jnp.ones(3)}
+
+  def interrupt(self):
+    raise KeyboardInterrupt  # Ctrl-C while orbax writes in the background
+
+  with monkeypatch.context() as m:
+    m.setattr(ocp.StandardCheckpointer, "wait_until_finished", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+      ja.checkpoint.save(tmp_path / "ck", params)
+  assert _settled(tmp_path, []) == []
+  (tmp_path / "file").write_text("not a directory")
+  with pytest.raises(OSError):
+    ja.checkpoint.save(tmp_path / "file" / "ck", params)
+  assert _settled(tmp_path, ["file"]) == ["file"]
+  ja.checkpoint.save(tmp_path / "ck", params)
+  assert sorted(os.listdir(tmp_path)) == ["ck", "file"]
+
+
+@pytest.mark.parametrize("saved_after,saved_on,resumed_on", [(1, 8, 4), (3, 8, 4), (2, 4, 8)])
+def test_own_jit_partial_sums_resume_on_another_device_count(saved_after, saved_on, resumed_on, tmp_path):
+  """ja.accumulate(axis_name=)'s unreduced accumulator saved on 8 devices, restored on a 4-device mesh (a
+  preempted job resumed on a smaller slice), mid-window or at a window's end, and 4 -> 8: the partial sums are
+  summed and re-laid, and the run equals the plain float64 one (before: "stored float64[8, ...], like [4, ...]")."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(5), 6 * 16)
+  micro = [(x[i * 16 : (i + 1) * 16], y[i * 16 : (i + 1) * 16]) for i in range(6)]
+  tx = ja.accumulate(optax.adam(0.1), 3, axis_name="data")
+
+  @jax.jit
+  def step(p, state, batch):
+    grads = ja.grad(mse_loss, axis_name="data")(p, batch)
+    updates, state = tx.update(grads, state, p)
+    return optax.apply_updates(p, updates), state
+
+  def mesh_of(n):
+    return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:n])
+
+  def run(mesh, p, state, bs):
+    with jax.set_mesh(mesh):
+      for b in bs:
+        p, state = step(p, state, jax.device_put(b, NamedSharding(mesh, P("data"))))
+    return p, state
+
+  mesh = mesh_of(saved_on)
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    state = tx.init(p)
+  p, state = run(mesh, p, state, micro[:saved_after])
+  ja.checkpoint.save(tmp_path / "ck", (p, state))
+  mesh = mesh_of(resumed_on)
+  with jax.set_mesh(mesh):
+    fresh_p = jax.device_put(params, NamedSharding(mesh, P()))
+    like = (fresh_p, tx.init(fresh_p))
+  p, state = ja.checkpoint.restore(tmp_path / "ck", like=like)
+  assert all(a.sharding.mesh.size == resumed_on for a in jax.tree.leaves(state.acc_grads))
+  p, state = run(mesh, p, state, micro[saved_after:])
+  opt, ref = optax.adam(0.1), params  # plain float64: one adam step per window on its rows' mean gradient
+  ref_state = opt.init(ref)
+  for w in range(2):
+    window = jax.tree.map(lambda *xs: jnp.concatenate(xs), *micro[3 * w : 3 * w + 3])
+    updates, ref_state = opt.update(jax.grad(mse_loss)(ref, window), ref_state, ref)
+    ref = optax.apply_updates(ref, updates)
+  chex.assert_trees_all_close(p, ref, rtol=1e-12, atol=1e-14)
+  assert int(state.micro_step) == 0
