@@ -1,0 +1,333 @@
+"""The user's loss, traced once: every check reads this jaxpr, and the per-device map evaluates it localised.
+
+`make_train_step` and `ja.grad` on a mesh run the loss on each device's own
+rows inside a `jax.shard_map` manual over the data axes. Model code written for
+the global batch names those axes in sharding annotations
+(`with_sharding_constraint(h, NamedSharding(mesh, P("data", ...)))`, Flax's
+`nn.with_logical_constraint` under rules mapping "batch" to "data", the
+cookbook's `out_sharding=P("data", ...)` and `jax.sharding.reshard`). JAX refuses
+a manual axis in an annotation in its Python API, before anything is staged, so
+such code cannot be traced inside the map. It can be traced outside it:
+
+1. `trace` traces the loss ONCE with `jax.make_jaxpr`, on the shapes one
+   device's microbatch has, under the mesh the user's own jit would see (on
+   Explicit meshes with every data axis of size 1, so that an annotation naming
+   it divides the local rows; Auto meshes check no divisibility at trace time).
+   Every check (`refusal`) reads that jaxpr: the user's code is never traced
+   again, so a module-level `@jax.shard_map` layer (whose wrapper keeps the
+   context mesh of its first call) sees one trace.
+2. `Program.__call__`, inside the per-device map, rewrites the jaxpr once per
+   trace of the step (`_Localiser`), structurally: every mesh, sharding and
+   PartitionSpec in the equations' parameters (sharding constraints, reshards,
+   `out_sharding=`, jit's shardings and context mesh, a nested shard_map's mesh
+   and specs), every aval's sharding and every equation's context mesh, in
+   every nested jaxpr, is mapped to the mesh as seen inside the map (data axes
+   Manual) with the data axes dropped from the specs and the other axes (e.g.
+   "model") kept. Inside the map the data axes are already split, so dropping
+   them keeps the model's meaning. The result is evaluated by JAX's own
+   `jax.core.eval_jaxpr`: every equation is bound exactly as JAX binds it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+# jax internals used by the rewrite (the public jaxpr types lack constructors for equations and contexts).
+from jax._src import core as _core  # noqa: PLC2701
+from jax._src import mesh as _mesh_lib  # noqa: PLC2701
+
+# Parameters that name axes made manual (shard_map); collectives' axes (psum's "axes", all_gather's "axis_name").
+_MANUAL_PARAMS = ("newly_manual_axes", "manual_axes")
+_AXIS_PARAMS = ("axes", "axis_name")
+
+
+_EMPTY = jax.sharding.AbstractMesh((), ())
+
+
+class Program:
+  """`fn` traced once at per-device shapes: call it inside the per-device map on arguments of those shapes.
+
+  Attributes:
+    closed: the traced `ClosedJaxpr` (what every check reads).
+    data_axes: the mesh axes the per-device map makes manual.
+  """
+
+  def __init__(self, closed, in_tree, out_tree, data_axes):
+    self.closed, self.in_tree, self.out_tree, self.data_axes = closed, in_tree, out_tree, tuple(data_axes)
+    self._cache: dict = {}
+
+  def __call__(self, *args):
+    leaves, tree = jax.tree.flatten(args)
+    if tree != self.in_tree:
+      raise ValueError(f"the loss was traced for arguments {self.in_tree}, called with {tree}")
+    inside = jax.sharding.get_abstract_mesh()
+    closed = self._cache.get(inside)
+    if closed is None:
+      closed = self._cache[inside] = localise(self.closed, inside, self.data_axes)
+    out = jex_core.jaxpr_as_fun(closed)(*leaves)
+    return jax.tree.unflatten(self.out_tree, out)
+
+
+def trace_mesh(mesh, data_axes):
+  """The abstract mesh the loss is traced under: the step's, with every data axis of size 1 if any is Explicit."""
+  abstract = mesh.abstract_mesh
+  if not any(abstract._name_to_type[a] == AxisType.Explicit for a in data_axes):
+    return abstract
+  sizes = tuple(1 if n in data_axes else s for n, s in zip(abstract.axis_names, abstract.axis_sizes, strict=True))
+  return abstract.update(axis_sizes=sizes)
+
+
+def trace(fn, args, *, mesh, data_axes, batch_argnums=()) -> Program:
+  """`fn` traced once on abstract `args` (one device's shapes) under `trace_mesh(mesh, data_axes)`.
+
+  Args:
+    fn: the user's loss.
+    args: its arguments as one device sees them (arrays or ShapeDtypeStructs;
+      only shapes and dtypes are read).
+    mesh: the step's mesh.
+    data_axes: the axes the per-device map makes manual.
+    batch_argnums: arguments whose leaves are rows split over the data axes:
+      on an Explicit mesh they are typed as sharded over the data axes on their
+      leading dimension, as the user's own jit sees them.
+  """
+  data_axes = tuple(data_axes)
+  at = trace_mesh(mesh, data_axes)
+  explicit = any(t == AxisType.Explicit for t in at.axis_types)
+  rows = PartitionSpec(data_axes[0] if len(data_axes) == 1 else data_axes)
+
+  def aval(x, batch):
+    shape, dtype = np.shape(x), x.dtype
+    if not explicit:
+      return jax.ShapeDtypeStruct(shape, dtype)
+    spec = _typed_spec(x, data_axes) if not batch else PartitionSpec(*rows, *[None] * (len(shape) - 1))
+    if batch and not shape:
+      spec = PartitionSpec()
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(at, spec))
+
+  avals = tuple(jax.tree.map(lambda x, b=i in batch_argnums: aval(x, b), a) for i, a in enumerate(args))
+  leaves, in_tree = jax.tree.flatten(avals)
+  out_tree = []
+
+  def flat(*xs):
+    out = fn(*jax.tree.unflatten(in_tree, xs))
+    outs, tree = jax.tree.flatten(out)
+    out_tree.append(tree)
+    return outs
+
+  # Entered through the empty mesh: JAX refuses to change a set mesh's size directly, and the size-1 data
+  # axes are what lets an Explicit annotation divide one device's rows.
+  with jax.sharding.use_abstract_mesh(_EMPTY), jax.sharding.use_abstract_mesh(at):
+    closed = jax.make_jaxpr(flat)(*leaves)
+  return Program(closed, in_tree, out_tree[0], data_axes)
+
+
+def _typed_spec(x, data_axes) -> PartitionSpec:
+  """The spec `x` is typed with (its Explicit axes), data axes dropped; P() for a value without one."""
+  sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else getattr(x, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None:
+    return PartitionSpec()
+  return drop_axes(PartitionSpec(*spec), data_axes)
+
+
+def drop_axes(spec: PartitionSpec, axes) -> PartitionSpec:
+  """`spec` without the mesh axes `axes` (an entry left with none becomes None); unreduced/reduced too."""
+  axes = set(axes)
+
+  def entry(e):
+    if e is None or e is PartitionSpec.UNCONSTRAINED:
+      return e
+    names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n not in axes)
+    return None if not names else names[0] if len(names) == 1 else names
+
+  return PartitionSpec(
+    *(entry(e) for e in spec), unreduced=spec.unreduced - axes, reduced=spec.reduced - axes
+  )
+
+
+# --------------------------------------------------------------------------- what the checks read
+
+
+def data_axes_mapped_over(closed, data_axes) -> set:
+  """The data axes a `shard_map` in the loss maps over AND uses (in its specs or its collectives).
+
+  A nested shard_map made manual over every axis of the context (one written
+  without `axis_names=`, like the docs' `gemm_tp`) covers the data axes too,
+  but if neither its specs nor its body name them, it is replicated over them:
+  inside the per-device map it runs on the device's rows unchanged. One that
+  names a data axis splits the batch and reduces over it itself (the docs'
+  hand-written data-parallel loss).
+  """
+  data = set(data_axes)
+  found: set = set()
+  for eqn in _eqns(closed.jaxpr):
+    if eqn.primitive.name != "shard_map":
+      continue
+    manual = set(eqn.params.get("newly_manual_axes", ())) & data
+    named = set()
+    for spec in (*eqn.params["in_specs"], *eqn.params["out_specs"]):
+      named |= _spec_names(spec)
+    named |= _collective_axes(eqn.params["jaxpr"])
+    found |= manual & named
+  return found
+
+
+def _spec_names(spec) -> set:
+  names: set = set()
+  for e in spec if isinstance(spec, PartitionSpec) else ():
+    if e is not None and e is not PartitionSpec.UNCONSTRAINED:
+      names |= set(e if isinstance(e, tuple) else (e,))
+  return names
+
+
+def _collective_axes(jaxpr) -> set:
+  names: set = set()
+  for eqn in _eqns(jaxpr):
+    for p in _AXIS_PARAMS:
+      v = eqn.params.get(p)
+      if isinstance(v, str):
+        names.add(v)
+      elif isinstance(v, (tuple, list, frozenset, set)):
+        names |= {a for a in v if isinstance(a, str)}
+  return names
+
+
+def _eqns(jaxpr):
+  """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if isinstance(sub, jex_core.ClosedJaxpr):
+          yield from _eqns(sub.jaxpr)
+        elif isinstance(sub, jex_core.Jaxpr):
+          yield from _eqns(sub)
+
+
+def primitives(closed) -> set:
+  """The names of every primitive in the traced loss (nested jaxprs included)."""
+  return {eqn.primitive.name for eqn in _eqns(closed.jaxpr)}
+
+
+# --------------------------------------------------------------------------- localising the annotations
+
+
+def localise(closed, inside, data_axes):
+  """`closed` with every mesh mapped to `inside` (the per-device map's mesh) and the data axes dropped."""
+  return _Localiser(inside, data_axes).closed(closed)
+
+
+class _Localiser:
+  """One structural rewrite of a traced jaxpr (see the module docstring), memoised per variable."""
+
+  def __init__(self, inside, data_axes):
+    self.inside, self.data = inside, frozenset(data_axes)
+    self.vars: dict = {}
+    self.meshes: dict = {}
+
+  def mesh(self, m):
+    """The mesh `m` (a trace-time mesh, concrete or abstract) as seen inside the map, its manual axes kept."""
+    if m is None or getattr(m, "empty", False):
+      return m
+    key = m.abstract_mesh if hasattr(m, "abstract_mesh") else m
+    got = self.meshes.get(key)
+    if got is None:
+      names = set(key.axis_names)
+      if not names <= set(self.inside.axis_names):
+        raise ValueError(
+          f"the loss names a mesh with axes {key.axis_names}, but it runs on the step's mesh with axes "
+          f"{self.inside.axis_names}: annotate with the step's mesh (or its axis names)"
+        )
+      manual = {n: AxisType.Manual for n in key.axis_names if key._name_to_type[n] == AxisType.Manual}
+      got = self.meshes[key] = self.inside.update_axis_types(manual) if manual else self.inside
+    return got
+
+  def spec(self, s: PartitionSpec) -> PartitionSpec:
+    return drop_axes(s, self.data)
+
+  def sharding(self, s):
+    if isinstance(s, NamedSharding):
+      return NamedSharding(self.mesh(s.mesh), self.spec(s.spec), memory_kind=s.memory_kind)
+    return s
+
+  def aval(self, a):
+    if not isinstance(a, _core.ShapedArray):
+      return a
+    sharding = a.sharding
+    mat = a.manual_axis_type
+    if sharding is not None and not sharding.mesh.empty:
+      sharding = self.sharding(sharding)
+    elif not self.inside.empty:
+      return a
+    mat = _core.ManualAxisType(
+      varying=mat.varying - self.data, unreduced=mat.unreduced - self.data, reduced=mat.reduced - self.data
+    )
+    return a.update(sharding=sharding, manual_axis_type=mat)
+
+  def var(self, v):
+    if isinstance(v, _core.Literal):
+      return _core.Literal(v.val, self.aval(v.aval))
+    got = self.vars.get(v)
+    if got is None:
+      got = self.vars[v] = _core.Var(self.aval(v.aval), v.initial_qdd, v.final_qdd)
+    return got
+
+  def closed(self, c):
+    return jex_core.ClosedJaxpr(self.jaxpr(c.jaxpr), c.consts)
+
+  def jaxpr(self, j):
+    return j.replace(
+      constvars=[self.var(v) for v in j.constvars],
+      invars=[self.var(v) for v in j.invars],
+      outvars=[self.var(v) for v in j.outvars],
+      eqns=[self.eqn(e) for e in j.eqns],
+    )
+
+  def eqn(self, e):
+    params = {k: self.param(k, v) for k, v in e.params.items()}
+    return _core.new_jaxpr_eqn(
+      [self.var(v) for v in e.invars],
+      [self.var(v) for v in e.outvars],
+      e.primitive,
+      params,
+      e.effects,
+      e.source_info,
+      self.ctx(e.ctx),
+    )
+
+  def ctx(self, ctx):
+    m = ctx.cur_abstract_mesh
+    return _core.JaxprEqnContext._create(
+      ctx.compute_type,
+      ctx.threefry_partitionable,
+      self.mesh(m) if not m.empty else self.inside,
+      ctx.remove_size_one_mesh_axis,
+      None if ctx.xla_metadata is None else tuple(sorted(ctx.xla_metadata.items())),
+    )
+
+  def param(self, name, v):
+    if name in _MANUAL_PARAMS and isinstance(v, (frozenset, set, tuple)):
+      return type(v)(a for a in v if a not in self.data)
+    return self.value(v)
+
+  def value(self, v):
+    if isinstance(v, jex_core.ClosedJaxpr):
+      return self.closed(v)
+    if isinstance(v, jex_core.Jaxpr):
+      return self.jaxpr(v)
+    if isinstance(v, NamedSharding):
+      return self.sharding(v)
+    if isinstance(v, PartitionSpec):
+      return self.spec(v)
+    if isinstance(v, (_mesh_lib.Mesh, _mesh_lib.AbstractMesh)):
+      return self.mesh(v)
+    if isinstance(v, _core.ShapedArray):
+      return self.aval(v)
+    if isinstance(v, (tuple, list)):
+      return type(v)(self.value(x) for x in v)
+    return v
