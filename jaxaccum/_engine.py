@@ -137,7 +137,8 @@ def _traced(cfg: Config, params, state, batch, key) -> _program.Program:
   args = (params, *((state,) if cfg.has_state else ()), jax.tree.map(rows, batch))
   args += () if key is None else (key,)
   try:
-    program = _program.trace(cfg.loss_fn, args, mesh=cfg.mesh, data_axes=axes, batch_argnums=(len(args) - 1 - (key is not None),))
+    batch_at = len(args) - 1 - (key is not None)
+    program = _program.trace(cfg.loss_fn, args, mesh=cfg.mesh, data_axes=axes, batch_argnums=(batch_at,))
   except Exception as e:
     explained = _per_device.explain(e, axes[0] if len(axes) == 1 else axes, entry="make_train_step", instead=_INSTEAD)
     if explained is None:
@@ -145,12 +146,7 @@ def _traced(cfg: Config, params, state, batch, key) -> _program.Program:
     raise explained from e
   found = _program.data_axes_mapped_over(program.closed, axes)
   if found:
-    raise ValueError(
-      f"loss_fn calls jax.shard_map over the data axis {sorted(found)[0]!r} itself (with psum/pmean inside): "
-      "make_train_step splits the batch over the data axes, runs the loss per device and reduces the "
-      "gradient for you. Pass the plain per-batch loss, loss_fn(params, batch) -> the mean loss over "
-      "that batch's rows, without the shard_map or the pmean."
-    )
+    raise _program.shard_map_refusal(sorted(found)[0], "make_train_step")
   return program
 
 

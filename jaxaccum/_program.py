@@ -30,16 +30,14 @@ such code cannot be traced inside the map. It can be traced outside it:
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import numpy as np
-from jax.extend import core as jex_core
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 # jax internals used by the rewrite (the public jaxpr types lack constructors for equations and contexts).
 from jax._src import core as _core  # noqa: PLC2701
 from jax._src import mesh as _mesh_lib  # noqa: PLC2701
+from jax.extend import core as jex_core
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 # Parameters that name axes made manual (shard_map); collectives' axes (psum's "axes", all_gather's "axis_name").
 _MANUAL_PARAMS = ("newly_manual_axes", "manual_axes")
@@ -82,7 +80,7 @@ def trace_mesh(mesh, data_axes):
   return abstract.update(axis_sizes=sizes)
 
 
-def trace(fn, args, *, mesh, data_axes, batch_argnums=()) -> Program:
+def trace(fn, args, *, mesh, data_axes, batch_argnums=(), entry: str = "make_train_step") -> Program:
   """`fn` traced once on abstract `args` (one device's shapes) under `trace_mesh(mesh, data_axes)`.
 
   Args:
@@ -91,22 +89,25 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=()) -> Program:
       only shapes and dtypes are read).
     mesh: the step's mesh.
     data_axes: the axes the per-device map makes manual.
-    batch_argnums: arguments whose leaves are rows split over the data axes:
-      on an Explicit mesh they are typed as sharded over the data axes on their
-      leading dimension, as the user's own jit sees them.
+    batch_argnums: arguments whose leaves are rows split over the data axes
+      (typed unsharded; the others keep their non-data axes on Explicit meshes).
+    entry: the entry point, for the messages.
+
+  Raises:
+    ValueError: a nested `jax.shard_map` that cannot be traced on one
+      device's rows (`explain_trace_error`); JAX's own error otherwise.
   """
   data_axes = tuple(data_axes)
   at = trace_mesh(mesh, data_axes)
   explicit = any(t == AxisType.Explicit for t in at.axis_types)
-  rows = PartitionSpec(data_axes[0] if len(data_axes) == 1 else data_axes)
 
   def aval(x, batch):
     shape, dtype = np.shape(x), x.dtype
     if not explicit:
       return jax.ShapeDtypeStruct(shape, dtype)
-    spec = _typed_spec(x, data_axes) if not batch else PartitionSpec(*rows, *[None] * (len(shape) - 1))
-    if batch and not shape:
-      spec = PartitionSpec()
+    # The rows are typed unsharded: on size-1 data axes that is the same layout, and an annotation naming one
+    # data axis (P("data")) then meets a batch split over several (hsdp's ("replica", "data")) without conflict.
+    spec = PartitionSpec() if batch else _typed_spec(x, data_axes)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(at, spec))
 
   avals = tuple(jax.tree.map(lambda x, b=i in batch_argnums: aval(x, b), a) for i, a in enumerate(args))
@@ -121,8 +122,14 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=()) -> Program:
 
   # Entered through the empty mesh: JAX refuses to change a set mesh's size directly, and the size-1 data
   # axes are what lets an Explicit annotation divide one device's rows.
-  with jax.sharding.use_abstract_mesh(_EMPTY), jax.sharding.use_abstract_mesh(at):
-    closed = jax.make_jaxpr(flat)(*leaves)
+  try:
+    with jax.sharding.use_abstract_mesh(_EMPTY), jax.sharding.use_abstract_mesh(at):
+      closed = jax.make_jaxpr(flat)(*leaves)
+  except Exception as e:
+    explained = explain_trace_error(e, mesh, data_axes, entry)
+    if explained is None:
+      raise
+    raise explained from e
   return Program(closed, in_tree, out_tree[0], data_axes)
 
 
@@ -145,9 +152,7 @@ def drop_axes(spec: PartitionSpec, axes) -> PartitionSpec:
     names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n not in axes)
     return None if not names else names[0] if len(names) == 1 else names
 
-  return PartitionSpec(
-    *(entry(e) for e in spec), unreduced=spec.unreduced - axes, reduced=spec.reduced - axes
-  )
+  return PartitionSpec(*(entry(e) for e in spec), unreduced=spec.unreduced - axes, reduced=spec.reduced - axes)
 
 
 # --------------------------------------------------------------------------- what the checks read
@@ -207,6 +212,46 @@ def _eqns(jaxpr):
           yield from _eqns(sub.jaxpr)
         elif isinstance(sub, jex_core.Jaxpr):
           yield from _eqns(sub)
+
+
+def shard_map_refusal(data_axis: str, entry: str) -> ValueError:
+  """The refusal of a loss that runs its own `jax.shard_map` over the data axis `data_axis`."""
+  return ValueError(
+    f"loss_fn calls jax.shard_map over the data axis {data_axis!r} itself (with psum/pmean inside): "
+    f"{entry} splits the batch over the data axes, runs the loss per device and reduces the "
+    "gradient for you. Pass the plain per-batch loss, loss_fn(params, batch) -> the mean loss over "
+    "that batch's rows, without the shard_map or the pmean."
+  )
+
+
+def explain_trace_error(e: Exception, mesh, data_axes, entry: str) -> Exception | None:
+  """A jaxaccum error for JAX's `e` raised while tracing the loss on one device's rows, or None.
+
+  Two ways a nested `jax.shard_map` fails there: one that splits the rows over
+  a data axis itself (its in_specs name it: the device's rows do not divide
+  over it), and one bound to a mesh other than the context the loss is traced
+  under (`mesh=` given on an Explicit mesh, traced with its data axes of size
+  1, or a module-level `@jax.shard_map`, which keeps the mesh of its first call).
+  """
+  text = str(e)
+  if "shard_map" in text and "evenly divisible" in text:
+    named = [a for a in data_axes if f"to mesh axis {a!r}" in text or f"mesh axis {a!r}" in text]
+    if named:
+      return shard_map_refusal(named[0], entry)
+  if "should match the mesh passed to shard_map" in text:
+    at = trace_mesh(mesh, data_axes)
+    sized = (
+      ""
+      if at == mesh.abstract_mesh
+      else " with its data axes of size 1 (Explicit axes: so that an annotation naming one divides the rows)"
+    )
+    return ValueError(
+      f"{entry}: loss_fn calls a jax.shard_map bound to a mesh other than the step's: {entry} traces the loss "
+      f"once, on one device's rows, under the step's mesh{sized}. Write the shard_map without mesh= (it then "
+      "takes the context mesh); a module-level @jax.shard_map keeps the mesh of its first call (JAX binds it "
+      "there), so call it first through the step, or apply jax.shard_map inside the loss"
+    )
+  return None
 
 
 def primitives(closed) -> set:
@@ -328,6 +373,6 @@ class _Localiser:
       return self.mesh(v)
     if isinstance(v, _core.ShapedArray):
       return self.aval(v)
-    if isinstance(v, (tuple, list)):
+    if type(v) in (tuple, list):  # not a NamedTuple (a PRNG implementation, a config): those are kept
       return type(v)(self.value(x) for x in v)
     return v

@@ -44,10 +44,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _per_device, _unreduced
+from jaxaccum import _per_device, _program, _unreduced
 
 
 def _argnums_tuple(argnums) -> tuple[int, ...]:
@@ -122,6 +123,16 @@ def _local_rows(arrays, specs, axis_name) -> int | None:
     if first is not None and axis_name in _unreduced.names(first):
       return x.shape[0] // _axis_size(x, axis_name)
   return None
+
+
+def _local_shape(x, spec, mesh) -> tuple[int, ...]:
+  """The shape of `x`'s block on one device of `mesh` under `spec`."""
+  sizes = dict(mesh.shape)
+  entries = list(spec) + [None] * (x.ndim - len(spec))
+  return tuple(
+    d // int(np.prod([sizes[n] for n in _unreduced.names(e)])) if e is not None else d
+    for d, e in zip(x.shape, entries, strict=True)
+  )
 
 
 def _axis_size(x, axis_name) -> int:
@@ -240,6 +251,17 @@ def value_and_grad(
       it = iter(array_values)
       return jax.tree.unflatten(treedef, [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)])
 
+    # fun traced once, on one device's shapes, outside the per-device map (`_program`): annotations naming the
+    # mesh's axes are localised there (every axis is manual inside, the others of size 1), and no check traces
+    # fun again.
+    local = [jax.ShapeDtypeStruct(_local_shape(x, s, mesh), x.dtype) for x, s in zip(arrays, specs, strict=True)]
+    program = _trace(
+      lambda: _program.trace(
+        lambda *xs: fun(*rebuild(xs)), local, mesh=mesh, data_axes=tuple(mesh.axis_names), entry="ja.grad"
+      ),
+      axis_name,
+    )
+
     def local_call(local_args):
       """fun's arguments on this device: keys folded with the device index; and fun of the differentiated ones."""
       index = lax.axis_index(axis_name)
@@ -249,7 +271,8 @@ def value_and_grad(
         call = list(full)
         for i, v in zip(nums, d, strict=True):
           call[i] = v
-        return fun(*call)
+        flat = jax.tree.leaves(call)
+        return program(*[x for x, a in zip(flat, is_array, strict=True) if a])
 
       return full, loss_of
 
