@@ -13,6 +13,9 @@ from __future__ import annotations
 # over an array sharded on an Explicit axis.
 _MANUAL_ANNOTATION = ("cannot contain axis names that are of type Auto or Manual", "of type: AxisType.Manual")
 _CLOSURE = "Closing over inputs to shard_map where the input is sharded on `Explicit` axes"
+# The same closure met by the loss's one trace (`_program`, under the mesh with size-1 data axes): a value
+# typed on the step's mesh that is not an argument.
+_CLOSURE_TRACED = "should match the aval mesh"
 
 
 def explain(e: Exception, axis_name, *, entry: str, instead: str) -> Exception | None:
@@ -34,7 +37,8 @@ def explain(e: Exception, axis_name, *, entry: str, instead: str) -> Exception |
       f"named: drop the {name!r} entries from the annotations inside the loss (the rows are already split), or "
       f"{instead}"
     )
-  if _CLOSURE in text:
+  axes = (name,) if isinstance(name, str) else name
+  if _CLOSURE in text or (_CLOSURE_TRACED in text and any(f"@{a}" in text for a in axes)):
     return ValueError(
       f"{entry}: the loss reads an array sharded over {name!r} from the enclosing scope (a closure, e.g. "
       f"def loss(params): ... batch ...). {entry} can give each device its rows only of the loss's arguments: "

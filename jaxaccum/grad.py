@@ -406,6 +406,12 @@ def _reduce_aux(x, mode, path, part, axis_name):
     return x
   if mode == "sum":
     return lax.psum(x, axis_name)
+  if _is_key(x):
+    raise TypeError(
+      f"aux{path} is a PRNG key: ja.grad folds the typed keys of its arguments with each device's index (each "
+      "device draws its own), so a key returned in aux differs per device and has no mean over them: advance "
+      "the key in your step, outside ja.grad (e.g. model state with a key: keep the key out of fun's aux)"
+    )
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(
       f"aux{path} has dtype {x.dtype}: ja.grad returns aux as the weighted mean over devices, which needs "
