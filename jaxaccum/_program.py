@@ -68,6 +68,12 @@ class Program:
     if closed is None:
       closed = self._cache[inside] = localise(self.closed, inside, self.data_axes)
     out = jex_core.jaxpr_as_fun(closed)(*leaves)
+    # An output that is a constant of the trace (eqx's `state.set(..., jnp.array(False))`) is a Literal, which
+    # evaluates to its Python value: give it back as the array the user's code returned.
+    out = [
+      o if isinstance(o, (jax.Array, jax.core.Tracer)) else jax.numpy.asarray(o, v.aval.dtype)
+      for o, v in zip(out, closed.jaxpr.outvars, strict=True)
+    ]
     return jax.tree.unflatten(self.out_tree, out)
 
 
