@@ -244,6 +244,14 @@ def explain_trace_error(e: Exception, mesh, data_axes, entry: str) -> Exception 
     named = [a for a in data_axes if f"to mesh axis {a!r}" in text or f"mesh axis {a!r}" in text]
     if named:
       return shard_map_refusal(named[0], entry)
+  if "in_specs passed to shard_map" in text and "does not match the specs of the input" in text:
+    return ValueError(
+      f"{entry}: loss_fn applies a jax.shard_map manual over every mesh axis (written without axis_names=, like "
+      "the JAX docs' gemm_tp) on a mesh with Explicit axes, where JAX requires each input's type to match the "
+      "in_specs exactly; the batch is split over the data axis, so it does not (JAX raises the same in your own "
+      "jax.jit with the batch sharded over the data axis). Make the mesh with Auto axes (jax.make_mesh(..., "
+      f"axis_types=(AxisType.Auto,) * n)): {entry} runs such a layer there exactly"
+    )
   if "should match the mesh passed to shard_map" in text:
     at = trace_mesh(mesh, data_axes)
     sized = (
@@ -252,10 +260,12 @@ def explain_trace_error(e: Exception, mesh, data_axes, entry: str) -> Exception 
       else " with its data axes of size 1 (Explicit axes: so that an annotation naming one divides the rows)"
     )
     return ValueError(
-      f"{entry}: loss_fn calls a jax.shard_map bound to a mesh other than the step's: {entry} traces the loss "
-      f"once, on one device's rows, under the step's mesh{sized}. Write the shard_map without mesh= (it then "
-      "takes the context mesh); a module-level @jax.shard_map keeps the mesh of its first call (JAX binds it "
-      "there), so call it first through the step, or apply jax.shard_map inside the loss"
+      f"{entry}: loss_fn calls a jax.shard_map bound to a mesh other than the one {entry} traces the loss under: "
+      f"the loss is traced once, on one device's rows, under the step's mesh{sized}, and JAX binds a module-level "
+      "@jax.shard_map to the context mesh of its first call (or to its mesh=). If it maps over the data axis with "
+      "a pmean inside (the JAX docs' hand-written data-parallel loss), pass the plain per-batch loss instead: "
+      f"{entry} splits the batch over the data axes and reduces the gradient for you. A layer over other axes "
+      "(tensor parallel): write it without mesh= and apply jax.shard_map inside the loss, on a mesh with Auto axes"
     )
   return None
 
