@@ -262,3 +262,25 @@ def test_equinox_batchnorm_runs_on_a_mesh(mode):
   reductions = jax.tree.map(lambda s: "mean" if jnp.issubdtype(s.dtype, jnp.inexact) else "last", state)
   new = check_state_step(loss_fn, params, state, drifting_data(), reductions, 4, 2)
   assert not np.allclose(jax.tree.leaves(new)[0], jax.tree.leaves(state)[0])
+
+
+@jax.custom_vjp
+def _annotated_dense(x, w):
+  return x @ w
+
+
+def _annotated_dense_fwd(x, w):
+  return jax.lax.with_sharding_constraint(x @ w, P("data", None)), (x, w)
+
+
+_annotated_dense.defvjp(_annotated_dense_fwd, lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+
+def test_an_annotation_inside_a_custom_derivative_rule_is_refused_by_name():
+  """JAX traces a custom_vjp's fwd only when it differentiates, inside the per-device map, where the data axis is
+  manual: not localisable after the fact. Once JAX's raw 'can only refer to Auto axes of the mesh'."""
+  mesh = make_mesh((8,), ("data",))
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  loss = lambda p, b: mse(jnp.tanh(_annotated_dense(b[0], p["w1"])) @ p["w2"], b[1])
+  with pytest.raises(ValueError, match=r"make_train_step: the loss annotates .* a custom derivative's rule"):
+    one_step(loss, params, batch, mesh, "data", strategy="ddp")
