@@ -569,6 +569,5 @@ def always_applied(train_step):
   A skipped update must cost no memory: the step's compiled per-device peak is
   compared with this twin's.
   """
-  from jaxaccum.train_step import TrainStep  # train_step imports this module
-
-  return TrainStep(train_step._cfg._replace(always_apply=True), train_step._arg_names, train_step._hint)
+  # The step's own class, taken from the object: this module never imports train_step (which imports it).
+  return type(train_step)(train_step._cfg._replace(always_apply=True), train_step._arg_names, train_step._hint)
