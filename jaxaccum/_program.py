@@ -35,6 +35,7 @@ import numpy as np
 
 # jax internals used by the rewrite (the public jaxpr types lack constructors for equations and contexts).
 from jax._src import core as _core  # noqa: PLC2701
+from jax._src import linear_util as _lu  # noqa: PLC2701
 from jax._src import mesh as _mesh_lib  # noqa: PLC2701
 from jax.extend import core as jex_core
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -42,6 +43,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 # Parameters that name axes made manual (shard_map); collectives' axes (psum's "axes", all_gather's "axis_name").
 _MANUAL_PARAMS = ("newly_manual_axes", "manual_axes")
 _AXIS_PARAMS = ("axes", "axis_name")
+# A custom derivative's rule, traced by JAX when it differentiates: custom_jvp's jvp, custom_vjp's fwd.
+_RULE_THUNKS = ("jvp_jaxpr_fun", "fwd_jaxpr_thunk")
 
 
 _EMPTY = jax.sharding.AbstractMesh((), ())
@@ -55,8 +58,9 @@ class Program:
     data_axes: the mesh axes the per-device map makes manual.
   """
 
-  def __init__(self, closed, in_tree, out_tree, data_axes):
+  def __init__(self, closed, in_tree, out_tree, data_axes, at):
     self.closed, self.in_tree, self.out_tree, self.data_axes = closed, in_tree, out_tree, tuple(data_axes)
+    self.at = at  # the mesh it was traced under
     self._cache: dict = {}
 
   def __call__(self, *args):
@@ -66,7 +70,7 @@ class Program:
     inside = jax.sharding.get_abstract_mesh()
     closed = self._cache.get(inside)
     if closed is None:
-      closed = self._cache[inside] = localise(self.closed, inside, self.data_axes)
+      closed = self._cache[inside] = localise(self.closed, inside, self.data_axes, self.at)
     out = jex_core.jaxpr_as_fun(closed)(*leaves)
     # An output that is a constant of the trace (eqx's `state.set(..., jnp.array(False))`) is a Literal, which
     # evaluates to its Python value: give it back as the array the user's code returned.
@@ -136,7 +140,7 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), entry: str = "make_tra
     if explained is None:
       raise
     raise explained from e
-  return Program(closed, in_tree, out_tree[0], data_axes)
+  return Program(closed, in_tree, out_tree[0], data_axes, at)
 
 
 def _typed_spec(x, data_axes) -> PartitionSpec:
@@ -278,16 +282,21 @@ def primitives(closed) -> set:
 # --------------------------------------------------------------------------- localising the annotations
 
 
-def localise(closed, inside, data_axes):
-  """`closed` with every mesh mapped to `inside` (the per-device map's mesh) and the data axes dropped."""
-  return _Localiser(inside, data_axes).closed(closed)
+def localise(closed, inside, data_axes, at):
+  """`closed` with every mesh mapped to `inside` (the per-device map's mesh) and the data axes dropped.
+
+  `at`: the mesh `closed` was traced under; a custom derivative's rule, which
+  JAX traces only when it differentiates, is traced under it too (on the avals
+  of the original trace) and localised the same way.
+  """
+  return _Localiser(inside, data_axes, at).closed(closed)
 
 
 class _Localiser:
   """One structural rewrite of a traced jaxpr (see the module docstring), memoised per variable."""
 
-  def __init__(self, inside, data_axes):
-    self.inside, self.data = inside, frozenset(data_axes)
+  def __init__(self, inside, data_axes, at):
+    self.inside, self.data, self.at = inside, frozenset(data_axes), at
     self.vars: dict = {}
     self.meshes: dict = {}
 
@@ -374,7 +383,24 @@ class _Localiser:
   def param(self, name, v):
     if name in _MANUAL_PARAMS and isinstance(v, (frozenset, set, tuple)):
       return type(v)(a for a in v if a not in self.data)
+    if name in _RULE_THUNKS and isinstance(v, _lu.WrappedFun):
+      return self.rule(v)
     return self.value(v)
+
+  def rule(self, thunk):
+    """A custom_jvp's jvp / custom_vjp's fwd thunk: traced under the trace's mesh, its jaxpr localised.
+
+    JAX traces the rule when it differentiates, on the avals of the original
+    trace (typed on the trace's mesh); traced inside the map instead, a
+    `full_like` of such an aval (relu's jvp) would name the trace's mesh.
+    """
+
+    def traced(*zeros):
+      with jax.sharding.use_abstract_mesh(_EMPTY), jax.sharding.use_abstract_mesh(self.at):
+        jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+      return (_Localiser(self.inside, self.data, self.at).jaxpr(jaxpr), consts, *rest)
+
+    return _lu.wrap_init(traced, debug_info=thunk.debug_info)
 
   def value(self, v):
     if isinstance(v, jex_core.ClosedJaxpr):

@@ -284,3 +284,15 @@ def test_an_annotation_inside_a_custom_derivative_rule_is_refused_by_name():
   loss = lambda p, b: mse(jnp.tanh(_annotated_dense(b[0], p["w1"])) @ p["w2"], b[1])
   with pytest.raises(ValueError, match=r"make_train_step: the loss annotates .* a custom derivative's rule"):
     one_step(loss, params, batch, mesh, "data", strategy="ddp")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_custom_jvp_rule_is_traced_on_the_loss_mesh_and_localised(strategy):
+  """jax.nn.relu's jvp (a custom_jvp whose rule makes `full_like(g, 0)`) is traced when JAX differentiates, on
+  the avals of the loss's one trace: once 'Context mesh ... should match the mesh of sharding ... passed to
+  broadcast_in_dim' from inside the step (the docs' Flax ResNet port, examples/flax_resnet_sharded.py)."""
+  mesh = make_mesh((8,), ("data",))
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  loss = lambda p, b: mse(jax.nn.relu(b[0] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"], b[1])
+  got = one_step(loss, params, batch, mesh, "data", strategy=strategy)
+  chex.assert_trees_all_close(got, plain_step(loss, params, batch, mesh), rtol=1e-10, atol=1e-12)
