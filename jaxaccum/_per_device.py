@@ -4,7 +4,7 @@
 own rows inside a `jax.shard_map` manual over the data axes. The loss is traced
 once outside it and its annotations localised (`_program`); what is left that
 cannot run there is code JAX traces later, inside the map (a sharding annotation
-in a custom derivative's rule), and a loss that closes over the sharded batch.
+in a custom_vjp's bwd rule), and a loss that closes over the sharded batch.
 JAX's errors about them come from deep inside; both entry points turn them into
 one jaxaccum message that names the construct and what works instead.
 """
@@ -39,10 +39,11 @@ def explain(e: Exception, axis_name, *, entry: str, instead: str) -> Exception |
     return ValueError(
       f"{entry}: the loss annotates a sharding over the data axis {name!r} (with_sharding_constraint, "
       f"jax.sharding.reshard(x, P({name!r}, ...)) or out_sharding=P({name!r}, ...)) in code that JAX traces only "
-      f"when it differentiates: a custom derivative's rule (a jax.custom_vjp's fwd/bwd, a jax.custom_jvp's jvp). "
-      f"{entry} localises the annotations of the loss it traced, but such a rule is traced later, inside its "
-      f"per-device map (a jax.shard_map manual over {name!r}), where that axis cannot be named: drop the {name!r} "
-      f"entries from the annotations in that rule (the rows are already split), or {instead}"
+      f"when it transposes: a custom derivative's backward rule (a jax.custom_vjp's bwd). {entry} localises the "
+      f"annotations of the loss it traced (custom_jvp and custom_vjp forward rules included), but a bwd rule is "
+      f"traced on the cotangents, inside its per-device map (a jax.shard_map manual over {name!r}), where that axis "
+      f"cannot be named: drop the {name!r} entries from the annotations in the bwd rule (the rows are already "
+      f"split), or {instead}"
     )
   axes = (name,) if isinstance(name, str) else name
   if _CLOSURE in text or (_CLOSURE_TRACED in text and any(f"@{a}" in text for a in axes)):

@@ -264,26 +264,39 @@ def test_equinox_batchnorm_runs_on_a_mesh(mode):
   assert not np.allclose(jax.tree.leaves(new)[0], jax.tree.leaves(state)[0])
 
 
+def _annotated(x):
+  return jax.lax.with_sharding_constraint(x, P("data", None))
+
+
 @jax.custom_vjp
-def _annotated_dense(x, w):
+def _dense_fwd_annotated(x, w):
+  return _annotated(x @ w)
+
+
+_dense_fwd_annotated.defvjp(lambda x, w: (_annotated(x @ w), (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+
+@jax.custom_vjp
+def _dense_bwd_annotated(x, w):
   return x @ w
 
 
-def _annotated_dense_fwd(x, w):
-  return jax.lax.with_sharding_constraint(x @ w, P("data", None)), (x, w)
+_dense_bwd_annotated.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, g: (_annotated(g @ res[1].T), res[0].T @ g))
 
 
-_annotated_dense.defvjp(_annotated_dense_fwd, lambda res, g: (g @ res[1].T, res[0].T @ g))
-
-
-def test_an_annotation_inside_a_custom_derivative_rule_is_refused_by_name():
-  """JAX traces a custom_vjp's fwd only when it differentiates, inside the per-device map, where the data axis is
-  manual: not localisable after the fact. Once JAX's raw 'can only refer to Auto axes of the mesh'."""
+@pytest.mark.parametrize("strategy", smoke(["ddp", "fsdp"], {"fsdp"}))
+def test_annotations_in_a_custom_vjp_forward_rule_are_localised_and_in_its_bwd_refused_by_name(strategy):
+  """JAX traces a custom_vjp's fwd only when it differentiates: traced under the loss's trace mesh and localised.
+  Its bwd is traced on the cotangents inside the per-device map, where the data axis is manual: refused by name.
+  Both were JAX's raw 'can only refer to Auto axes of the mesh'."""
   mesh = make_mesh((8,), ("data",))
   params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
-  loss = lambda p, b: mse(jnp.tanh(_annotated_dense(b[0], p["w1"])) @ p["w2"], b[1])
-  with pytest.raises(ValueError, match=r"make_train_step: the loss annotates .* a custom derivative's rule"):
-    one_step(loss, params, batch, mesh, "data", strategy="ddp")
+  fwd = lambda p, b: mse(jnp.tanh(_dense_fwd_annotated(b[0], p["w1"])) @ p["w2"], b[1])
+  got = one_step(fwd, params, batch, mesh, "data", strategy=strategy)
+  chex.assert_trees_all_close(got, plain_step(fwd, params, batch, mesh), rtol=1e-10, atol=1e-12)
+  bwd = lambda p, b: mse(jnp.tanh(_dense_bwd_annotated(b[0], p["w1"])) @ p["w2"], b[1])
+  with pytest.raises(ValueError, match=r"make_train_step: the loss annotates .*a jax.custom_vjp's bwd"):
+    one_step(bwd, params, batch, mesh, "data", strategy=strategy)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
