@@ -34,6 +34,8 @@ import jax
 import numpy as np
 
 # jax internals used by the rewrite (the public jaxpr types lack constructors for equations and contexts).
+from jax._src import ad_util as _ad_util  # noqa: PLC2701
+from jax._src import config as _config  # noqa: PLC2701
 from jax._src import core as _core  # noqa: PLC2701
 from jax._src import linear_util as _lu  # noqa: PLC2701
 from jax._src import mesh as _mesh_lib  # noqa: PLC2701
@@ -385,7 +387,37 @@ class _Localiser:
       return type(v)(a for a in v if a not in self.data)
     if name in _RULE_THUNKS and isinstance(v, _lu.WrappedFun):
       return self.rule(v)
+    if name == "bwd" and isinstance(v, _lu.WrappedFun):
+      return self.bwd(v)
     return self.value(v)
+
+  def bwd(self, bwd):
+    """A custom_vjp's (flattened) bwd: its outputs checked against the primal avals as seen inside the map.
+
+    JAX checks the bwd rule's cotangents against the primal avals of the
+    original trace (typed on the trace's mesh), which the cotangents computed
+    inside the map never match on an Explicit mesh. The same check (shape and
+    dtype) is made here on the localised avals, and symbolic zeros get them.
+    """
+    avals = next((static[1] for gen, static in bwd.transforms if getattr(gen, "__name__", "") == "_flatten_bwd"), None)
+    local = None if avals is None else [self.aval(a) for a in avals]
+
+    def run(*args):
+      with _config.disable_bwd_checks(True):
+        outs = list(bwd.call_wrapped(*args))
+      for i, o in enumerate(outs):
+        want = None if local is None or i >= len(local) else local[i].to_ct_aval()
+        if isinstance(o, _ad_util.Zero):
+          outs[i] = _ad_util.Zero(self.aval(o.aval) if want is None else want)
+        elif want is not None and (jax.numpy.shape(o) != want.shape or jax.numpy.result_type(o) != want.dtype):
+          raise ValueError(
+            f"Custom VJP bwd rule must produce an output with the same type as the args tuple of the primal "
+            f"function, but at output[{i}] the bwd rule produced {jax.typeof(o).str_short()} for an input of "
+            f"type {want.str_short()}"
+          )
+      return outs
+
+    return _lu.wrap_init(run, debug_info=bwd.debug_info)
 
   def rule(self, thunk):
     """A custom_jvp's jvp / custom_vjp's fwd thunk: traced under the trace's mesh, its jaxpr localised.

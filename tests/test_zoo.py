@@ -408,6 +408,7 @@ SMOKE = {
   ("cookbook_explicit", "step fsdp"),  # annotations localised: Explicit out_sharding/reshard, layerwise fsdp
   ("wsc_auto", "step hsdp"),  # with_sharding_constraint on (replica, data, model), Auto
   ("shard_map_tp_module", "step fsdp once"),  # the module-level @jax.shard_map layer
+  ("custom_vjp_layer", "accumulate own jit"),  # a custom_vjp's bwd checked on the localised avals (Explicit)
 }
 
 
