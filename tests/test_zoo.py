@@ -329,7 +329,9 @@ _MODEL_AXIS_OWN_JIT = Cell(
   "refused", name="mesh axis besides the data axis", match="has the axis 'model' besides axis_name='data'"
 )
 _ANNOTATION_IN_OWN_SHARD_MAP = Cell(
-  "n/a", why="a user's shard_map over the data axis makes that axis manual, which the annotations may not name"
+  "n/a",
+  why="a user's shard_map over the data axis makes that axis manual, which JAX refuses in an annotation, "
+  "jaxaccum aside (tests/test_program.py shows JAX's own error); make_train_step and ja.grad localise them",
 )
 CELLS: dict[tuple[str, str], Cell] = {
   # The docs' tensor-parallel layer: a nested shard_map over "model".
