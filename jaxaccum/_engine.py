@@ -10,7 +10,10 @@ strategies:
    (other mesh axes, e.g. "model", stay with the partitioner), each device
    runs `ja.microbatch`'s loop over its rows (untyped, `check_vma=False`: the
    user's loss runs unchanged, loops whose carry starts as a constant too).
-   A loss that runs its own shard_map over a data axis is refused up front.
+   The loss is traced once, outside the map, on one device's microbatch
+   (`_program`): every check reads that jaxpr (a loss that runs its own
+   shard_map over a data axis is refused up front), and the map evaluates it
+   with its sharding annotations localised (the data axes dropped).
    Weights are known before the
    loop (`weights`), and their global total W is reduced first (a scalar
    all-reduce; none without a `weight_fn`: W = P K), so every microbatch's
