@@ -706,3 +706,21 @@ def test_per_row_keys_and_a_sharded_parameter_without_set_mesh():
   np.testing.assert_allclose(value, ref_value, rtol=RTOL)
   np.testing.assert_allclose(aux, ref_aux, rtol=RTOL)
   chex.assert_trees_all_close(g, ref, rtol=RTOL, atol=0)
+
+
+def test_fun_is_traced_once_aux_included():
+  """ja.grad reads aux's per-device shapes and runs fun from one trace: fun's Python runs once per jit trace."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 32)
+  calls = []
+
+  def loss(q, b):
+    calls.append(1)
+    return mse_loss(q, b), {"per_row": jnp.sum(mlp_apply(q, b[0]), -1)}
+
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    jax.jit(ja.value_and_grad(loss, axis_name="data", has_aux=True)).lower(p, batch)
+  assert len(calls) == 1
