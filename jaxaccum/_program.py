@@ -58,6 +58,7 @@ class Program:
   Attributes:
     closed: the traced `ClosedJaxpr` (what every check reads).
     data_axes: the mesh axes the per-device map makes manual.
+    at: the mesh it was traced under (`trace_mesh`).
   """
 
   def __init__(self, closed, in_tree, out_tree, data_axes, at):
@@ -114,6 +115,7 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), entry: str = "make_tra
   explicit = any(t == AxisType.Explicit for t in at.axis_types)
 
   def aval(x, batch):
+    x = x if hasattr(x, "dtype") else jax.numpy.asarray(x)  # a Python scalar in the state, say
     shape, dtype = np.shape(x), x.dtype
     if not explicit:
       return jax.ShapeDtypeStruct(shape, dtype)
