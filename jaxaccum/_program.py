@@ -38,6 +38,7 @@ from jax._src import ad_util as _ad_util  # noqa: PLC2701
 from jax._src import config as _config  # noqa: PLC2701
 from jax._src import core as _core  # noqa: PLC2701
 from jax._src import linear_util as _lu  # noqa: PLC2701
+from jax._src import literals as _literals  # noqa: PLC2701
 from jax._src import mesh as _mesh_lib  # noqa: PLC2701
 from jax.extend import core as jex_core
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -343,16 +344,26 @@ class _Localiser:
     )
     return a.update(sharding=sharding, manual_axis_type=mat)
 
+  def const(self, x):
+    """A constant of the trace, its type localised: a literal's host array carries the trace's mesh in its aval
+    (a trace inside a caller's shard_map, ja.diloco_train_step's), a device array typed on it becomes its value."""
+    if isinstance(x, _literals.TypedNdArray):
+      return _literals.TypedNdArray(np.asarray(x), self.aval(x.aval))
+    typed = isinstance(x, jax.Array) and not getattr(getattr(jax.typeof(x), "sharding", None), "mesh", _EMPTY).empty
+    if typed and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return np.asarray(x)
+    return x
+
   def var(self, v):
     if isinstance(v, _core.Literal):
-      return _core.Literal(v.val, self.aval(v.aval))
+      return _core.Literal(self.const(v.val), self.aval(v.aval))
     got = self.vars.get(v)
     if got is None:
       got = self.vars[v] = _core.Var(self.aval(v.aval), v.initial_qdd, v.final_qdd)
     return got
 
   def closed(self, c):
-    return jex_core.ClosedJaxpr(self.jaxpr(c.jaxpr), c.consts)
+    return jex_core.ClosedJaxpr(self.jaxpr(c.jaxpr), [self.const(x) for x in c.consts])
 
   def jaxpr(self, j):
     return j.replace(

@@ -338,3 +338,21 @@ def test_explicit_annotations_with_a_model_axis_run_exact(strategy):
   chex.assert_trees_all_close(
     one_step(cookbook_model_axis_loss, placed, batch, mesh, axis, **kwargs), want, rtol=1e-10, atol=1e-12
   )
+
+
+def test_a_step_traced_inside_a_callers_shard_map_runs():
+  """ja.diloco_train_step runs the step inside its own shard_map over "replica": the loss is traced there, and
+  its scalar literals carry that mesh in their types (an embedding lookup's index check). Once 'For primitive
+  lt, context mesh ... should match the aval mesh' (the bench's text LM)."""
+  from jaxaccum import slowlink
+
+  def loss(params, tokens):
+    return jnp.mean((params["embed"][tokens[:, :-1]] @ params["w"] - tokens[:, 1:]) ** 2)
+
+  params = {"embed": jnp.ones((5, 4)), "w": jnp.ones((4,))}
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(4, 1), ("replica", "data"))
+  base = ja.make_train_step(loss, optax.sgd(0.1), mesh=mesh, strategy="ddp")
+  step = slowlink.diloco_train_step(base, optax.sgd(0.7), 2)
+  p, s = step.init(params)
+  p, s, metrics = step(p, s, jnp.zeros((8, 6), jnp.int32))
+  assert np.all(np.isfinite(np.asarray(metrics["loss"])))
