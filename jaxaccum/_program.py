@@ -346,12 +346,9 @@ class _Localiser:
 
   def const(self, x):
     """A constant of the trace, its type localised: a literal's host array carries the trace's mesh in its aval
-    (a trace inside a caller's shard_map, ja.diloco_train_step's), a device array typed on it becomes its value."""
+    (a trace inside a caller's shard_map, ja.diloco_train_step's)."""
     if isinstance(x, _literals.TypedNdArray):
       return _literals.TypedNdArray(np.asarray(x), self.aval(x.aval))
-    typed = isinstance(x, jax.Array) and not getattr(getattr(jax.typeof(x), "sharding", None), "mesh", _EMPTY).empty
-    if typed and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      return np.asarray(x)
     return x
 
   def var(self, v):
