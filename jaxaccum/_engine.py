@@ -10,7 +10,10 @@ strategies:
    (other mesh axes, e.g. "model", stay with the partitioner), each device
    runs `ja.microbatch`'s loop over its rows (untyped, `check_vma=False`: the
    user's loss runs unchanged, loops whose carry starts as a constant too).
-   A loss that runs its own shard_map over a data axis is refused up front.
+   The loss is traced once, outside the map, on one device's microbatch
+   (`_program`): every check reads that jaxpr (a loss that runs its own
+   shard_map over a data axis is refused up front), and the map evaluates it
+   with its sharding annotations localised (the data axes dropped).
    Weights are known before the
    loop (`weights`), and their global total W is reduced first (a scalar
    all-reduce; none without a `weight_fn`: W = P K), so every microbatch's
@@ -49,7 +52,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _per_device, _tree, parallel, sharded
+from jaxaccum import _per_device, _program, _tree, parallel, sharded
 from jaxaccum import noise as _noise
 from jaxaccum._layerwise import layerwise
 from jaxaccum._split import split, weights
@@ -88,7 +91,7 @@ def step(cfg: Config, given, params, state, opt_state, batch, key):
     grads, out = _local(cfg, None, params, state, batch, key)
     return _update(cfg, None, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
   plan, mesh = cfg.plan, cfg.mesh
-  _refuse_shard_mapped_loss(cfg, params, state, batch, key)
+  cfg = cfg._replace(loss_fn=_traced(cfg, params, state, batch, key))  # traced once; the map evaluates it
   layouts = sharded._layouts(params, mesh, plan, placed=False, given=given)
   flat = jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)
   manual = set(plan.batch_axes)
@@ -115,8 +118,7 @@ def step(cfg: Config, given, params, state, opt_state, batch, key):
       e,
       plan.batch_axes[0] if len(plan.batch_axes) == 1 else plan.batch_axes,
       entry="make_train_step",
-      instead="keep the annotated code in your own jax.jit step with ja.microbatch(jax.value_and_grad(loss), K) "
-      "and an optax optimizer (the partitioner reduces the gradient), or ja.accumulate without axis_name",
+      instead=_INSTEAD,
     )
     if explained is None:
       raise
@@ -124,51 +126,38 @@ def step(cfg: Config, given, params, state, opt_state, batch, key):
   return _update(cfg, layouts, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
 
 
-def _refuse_shard_mapped_loss(cfg: Config, params, state, batch, key) -> None:
-  """A ValueError when `loss_fn` runs its own `jax.shard_map` over a data axis (the docs' hand-written DP loss).
+def _traced(cfg: Config, params, state, batch, key) -> _program.Program:
+  """The user's loss traced once, on one device's microbatch, and checked: the step evaluates this jaxpr.
 
-  The step already runs the loss per device inside a shard_map manual over the
-  data axes; a loss that splits the batch over them itself and pmeans its loss
-  cannot run there (JAX refuses a nested shard_map over an axis that is already
-  manual, from deep inside). Found by tracing the loss once, abstractly, on one
-  microbatch laid out over the data axes, as the user's own jit would see it; a
-  loss that cannot be traced that way is left to the step to report.
+  Traced outside the per-device map (see `_program`): model code annotated for
+  the global batch traces there, and its annotations are localised when the
+  map evaluates it. A loss that runs its own `jax.shard_map` over a data axis
+  (the docs' hand-written data-parallel loss, with psum/pmean inside) is
+  refused by name: the step splits the batch and reduces the gradient itself.
   """
   axes = cfg.plan.batch_axes
-  spec = PartitionSpec(axes[0] if len(axes) == 1 else axes)
-  sharding = jax.sharding.NamedSharding(cfg.mesh, spec)
-  abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
-  rows = lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // cfg.k, *np.shape(x)[1:]), x.dtype, sharding=sharding)
-  args = (abstract(params), *((abstract(state),) if cfg.has_state else ()), jax.tree.map(rows, batch))
-  args += () if key is None else (abstract(key),)
+  devices = int(np.prod([cfg.mesh.shape[a] for a in axes]))
+  rows = lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // (devices * cfg.k), *np.shape(x)[1:]), x.dtype)
+  args = (params, *((state,) if cfg.has_state else ()), jax.tree.map(rows, batch))
+  args += () if key is None else (key,)
   try:
-    with jax.sharding.use_abstract_mesh(cfg.mesh.abstract_mesh):
-      closed = jax.make_jaxpr(cfg.loss_fn)(*args)
-  except Exception:  # noqa: BLE001 -- not traceable outside the step: the step's own trace reports it
-    return
-  found = _shard_map_axes(closed.jaxpr) & set(axes)
+    batch_at = len(args) - 1 - (key is not None)
+    program = _program.trace(cfg.loss_fn, args, mesh=cfg.mesh, data_axes=axes, batch_argnums=(batch_at,))
+  except Exception as e:
+    explained = _per_device.explain(e, axes[0] if len(axes) == 1 else axes, entry="make_train_step", instead=_INSTEAD)
+    if explained is None:
+      raise
+    raise explained from e
+  found = _program.data_axes_mapped_over(program.closed, axes)
   if found:
-    raise ValueError(
-      f"loss_fn calls jax.shard_map over the data axis {sorted(found)[0]!r} itself (with psum/pmean inside): "
-      "make_train_step splits the batch over the data axes, runs the loss per device and reduces the "
-      "gradient for you. Pass the plain per-batch loss, loss_fn(params, batch) -> the mean loss over "
-      "that batch's rows, without the shard_map or the pmean."
-    )
+    raise _program.shard_map_refusal(sorted(found)[0], "make_train_step")
+  return program
 
 
-def _shard_map_axes(jaxpr) -> set:
-  """The mesh axes any `shard_map` in `jaxpr` (or in a jaxpr nested in its equations) makes manual."""
-  found: set = set()
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "shard_map":
-      found |= set(eqn.params.get("newly_manual_axes", ()) or eqn.params.get("manual_axes", ()))
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          found |= _shard_map_axes(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          found |= _shard_map_axes(sub)
-  return found
+_INSTEAD = (
+  "keep the code in your own jax.jit step with ja.microbatch(jax.value_and_grad(loss), K) and an optax optimizer "
+  "(the partitioner reduces the gradient), or ja.accumulate without axis_name"
+)
 
 
 # --------------------------------------------------------------------------- local sums (per device)
@@ -617,6 +606,5 @@ def always_applied(train_step):
   A skipped update must cost no memory: the step's compiled per-device peak is
   compared with this twin's.
   """
-  from jaxaccum.train_step import TrainStep  # train_step imports this module
-
-  return TrainStep(train_step._cfg._replace(always_apply=True), train_step._arg_names, train_step._hint)
+  # The step's own class, taken from the object: this module never imports train_step (which imports it).
+  return type(train_step)(train_step._cfg._replace(always_apply=True), train_step._arg_names, train_step._hint)

@@ -1,18 +1,27 @@
 """What JAX says about model code written for the global batch, run per device, and what it means.
 
 `ja.grad` and `make_train_step` on a mesh run the user's loss on each device's
-own rows inside a `jax.shard_map` manual over the data axes. Two kinds of model
-code written for the global batch cannot run there, and JAX's errors about them
-come from deep inside; both entry points turn them into one jaxaccum message
-that names the construct and what works instead.
+own rows inside a `jax.shard_map` manual over the data axes. The loss is traced
+once outside it and its annotations localised (`_program`); what is left that
+cannot run there is code JAX traces later, inside the map (a sharding annotation
+in a custom_vjp's bwd rule), and a loss that closes over the sharded batch.
+JAX's errors about them come from deep inside; both entry points turn them into
+one jaxaccum message that names the construct and what works instead.
 """
 
 from __future__ import annotations
 
 # JAX's wording (jax 0.10/0.11) for a sharding annotation that names a manual axis, and for a closure
 # over an array sharded on an Explicit axis.
-_MANUAL_ANNOTATION = ("cannot contain axis names that are of type Auto or Manual", "of type: AxisType.Manual")
+_MANUAL_ANNOTATION = (
+  "cannot contain axis names that are of type Auto or Manual",
+  "of type: AxisType.Manual",
+  "can only refer to Auto axes of the mesh",  # with_sharding_constraint (Flax logical constraints reach it too)
+)
 _CLOSURE = "Closing over inputs to shard_map where the input is sharded on `Explicit` axes"
+# The same closure met by the loss's one trace (`_program`, under the mesh with size-1 data axes): a value
+# typed on the step's mesh that is not an argument.
+_CLOSURE_TRACED = "should match the aval mesh"
 
 
 def explain(e: Exception, axis_name, *, entry: str, instead: str) -> Exception | None:
@@ -28,13 +37,16 @@ def explain(e: Exception, axis_name, *, entry: str, instead: str) -> Exception |
   name = axis_name if isinstance(axis_name, str) else tuple(axis_name)
   if any(s in text for s in _MANUAL_ANNOTATION):
     return ValueError(
-      f"{entry}: the loss annotates a sharding over the data axis {name!r} (jax.sharding.reshard(x, P({name!r}, "
-      f"...)) or out_sharding=P({name!r}, ...), as the JAX training cookbook writes activations). {entry} runs "
-      f"the loss on each device's own rows (a jax.shard_map manual over {name!r}), where that axis cannot be "
-      f"named: drop the {name!r} entries from the annotations inside the loss (the rows are already split), or "
-      f"{instead}"
+      f"{entry}: the loss annotates a sharding over the data axis {name!r} (with_sharding_constraint, "
+      f"jax.sharding.reshard(x, P({name!r}, ...)) or out_sharding=P({name!r}, ...)) in code that JAX traces only "
+      f"when it transposes: a custom derivative's backward rule (a jax.custom_vjp's bwd). {entry} localises the "
+      f"annotations of the loss it traced (custom_jvp and custom_vjp forward rules included), but a bwd rule is "
+      f"traced on the cotangents, inside its per-device map (a jax.shard_map manual over {name!r}), where that axis "
+      f"cannot be named: drop the {name!r} entries from the annotations in the bwd rule (the rows are already "
+      f"split), or {instead}"
     )
-  if _CLOSURE in text:
+  axes = (name,) if isinstance(name, str) else name
+  if _CLOSURE in text or (_CLOSURE_TRACED in text and any(f"@{a}" in text for a in axes)):
     return ValueError(
       f"{entry}: the loss reads an array sharded over {name!r} from the enclosing scope (a closure, e.g. "
       f"def loss(params): ... batch ...). {entry} can give each device its rows only of the loss's arguments: "

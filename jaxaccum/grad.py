@@ -29,9 +29,13 @@ How: a `jax.shard_map` manual over the mesh axis runs `fun` on each device's row
 without vma checking: autodiff then leaves each device its local gradient (no
 psum over the replicated parameters), and loops whose carry starts as a constant
 (an RNN from zeros) type-check as they do outside; the local gradient leaves as
-unreduced (`out_specs=P(unreduced={axis})`). Model code that names the data axis
-in a sharding annotation, and a loss that closes over a batch sharded over it,
-cannot run per device and are refused by name (`_per_device.explain`). JAX 0.10 limits (see
+unreduced (`out_specs=P(unreduced={axis})`). `fun` is traced once, outside the
+map, on one device's shapes (`_program`): sharding annotations written for the
+global batch (`reshard`, `out_sharding=P("data", ...)`) are localised there, the
+data axis dropped from their specs. A loss that closes over a batch sharded over
+the axis cannot run per device and is refused by name (`_per_device.explain`),
+as is an annotation in a custom derivative's rule. The pieces are module
+functions over `_Config` (what was given) and `_Args` (one call's arguments). JAX 0.10 limits (see
 `_unreduced`): the mesh's other axes must have size 1, and Auto meshes have no
 unreduced type; both give a ValueError that says what to use instead.
 """
@@ -40,14 +44,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _per_device, _unreduced
+from jaxaccum import _per_device, _program, _unreduced
 
 
 def _argnums_tuple(argnums) -> tuple[int, ...]:
@@ -124,6 +129,16 @@ def _local_rows(arrays, specs, axis_name) -> int | None:
   return None
 
 
+def _local_shape(x, spec, mesh) -> tuple[int, ...]:
+  """The shape of `x`'s block on one device of `mesh` under `spec`."""
+  sizes = dict(mesh.shape)
+  entries = list(spec) + [None] * (x.ndim - len(spec))
+  return tuple(
+    d // int(np.prod([sizes[n] for n in _unreduced.names(e)])) if e is not None else d
+    for d, e in zip(x.shape, entries, strict=True)
+  )
+
+
 def _axis_size(x, axis_name) -> int:
   mesh = _unreduced.mesh_of(x)
   return dict(mesh.shape)[axis_name]
@@ -145,8 +160,9 @@ def value_and_grad(
     fun: the loss, `fun(*args) -> scalar` (or `(scalar, aux)` with `has_aux`),
       written for any number of rows: it runs on each device's rows. It must
       take its batch as an argument (a batch sharded over the axis read from
-      the enclosing scope is refused) and not name `axis_name` in sharding
-      annotations (refused: each device already holds only its rows).
+      the enclosing scope is refused). Sharding annotations naming
+      `axis_name` (written for the global batch) are localised: each device
+      already holds only its rows.
     argnums: which positional arguments to differentiate (int or sequence).
       They are replicated inside (a leaf sharded over the axis is gathered).
     axis_name: the Explicit mesh axis the batch is sharded over, e.g. "data".
@@ -187,10 +203,44 @@ def value_and_grad(
     ValueError: `axis_name` bound by an enclosing pmap/shard_map (use
       `jax.grad` there, on parameters cast to varying), not an Explicit axis of
       the mesh, or a mesh with another axis of size > 1 (JAX 0.10); a closure
-      over a sharded batch; a sharding annotation naming the axis inside
-      `fun`; each says what to use instead. TypeError: bad `argnums`,
+      over a sharded batch; a sharding annotation naming the axis inside a
+      custom derivative's rule; each says what to use instead. TypeError: bad `argnums`,
       `weight_fn` not callable, a non-floating "mean" aux leaf, a non-scalar loss.
   """
+  cfg = _config(fun, argnums, axis_name, has_aux, weight_fn, key_argnum, aux_reductions)
+
+  def wrapped(*args):
+    return _call(cfg, args)
+
+  return wrapped
+
+
+class _Config(NamedTuple):
+  """What `value_and_grad` was given, checked."""
+
+  fun: Callable
+  argnums: Any  # as given (an int: grads are not a tuple)
+  nums: tuple[int, ...]
+  axis_name: str
+  has_aux: bool
+  weight_fn: Callable | None
+  key_argnum: int | None
+  aux_reductions: Any
+
+
+class _Args(NamedTuple):
+  """One call's arguments, flattened: which leaves are arrays, differentiated, keys; their specs; fun traced."""
+
+  treedef: Any
+  leaves: list
+  is_array: list[bool]
+  key_leaf: list[bool]
+  specs: list
+  rows: int | None
+  program: Any  # fun traced once on one device's shapes (`_program.Program` of the array leaves)
+
+
+def _config(fun, argnums, axis_name, has_aux, weight_fn, key_argnum, aux_reductions) -> _Config:
   if not callable(fun):
     raise TypeError(f"fun={fun!r} must be callable")
   nums = _argnums_tuple(argnums)
@@ -207,112 +257,145 @@ def value_and_grad(
   if aux_reductions is not None and not has_aux:
     raise ValueError(f"aux_reductions={aux_reductions!r} needs has_aux=True")
   _check_reductions(aux_reductions)
+  return _Config(fun, argnums, nums, axis_name, has_aux, weight_fn, key_argnum, aux_reductions)
 
-  def wrapped(*args):
-    if max(nums) >= len(args) or (key_argnum is not None and key_argnum >= len(args)):
-      named = max(max(nums), -1 if key_argnum is None else key_argnum)
-      raise TypeError(f"argnums={argnums!r}, {key_argnum=} name argument {named}, but the call has {len(args)}")
-    if _unreduced.is_bound(axis_name):
-      raise ValueError(
-        f"ja.grad: {axis_name=} is bound by an enclosing pmap/shard_map: there, use jax.grad on parameters cast "
-        f"to varying (jax.lax.pcast(params, {axis_name!r}, to='varying')) and ja.accumulate(..., axis_name=)"
-      )
-    mesh = _unreduced.explicit_mesh(axis_name, args, what="ja.grad")
-    leaves, treedef = jax.tree.flatten(list(args))
-    is_array = [isinstance(x, (jax.Array, jnp.ndarray)) or hasattr(x, "__jax_array__") for x in leaves]
-    arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
-    # Which flat leaves belong to differentiated arguments (replicated inside), which are keys (folded inside).
-    owner = jax.tree.flatten([[i] * len(jax.tree.leaves(a)) for i, a in enumerate(args)])[0]
-    owners = [o for o, a in zip(owner, is_array, strict=True) if a]
-    diff_leaf = [o in nums for o in owners]
-    # A typed key sharded over the axis is per-row data (each row its key) and reaches its device as it is;
-    # a replicated one would give every device the same draws, so it is folded, as is all of key_argnum.
-    key_leaf = [
-      o == key_argnum or (o not in nums and _is_key(x) and _replicated(x)) for o, x in zip(owners, arrays, strict=True)
-    ]
-    specs = [P() if d else _spec_of(x) for x, d in zip(arrays, diff_leaf, strict=True)]
-    rows = _local_rows(arrays, specs, axis_name)
-    # A differentiated leaf sharded over the axis (FSDP-style) is gathered once here: each device's loss needs
-    # all of it. Its gradient comes back unreduced at full size; ja.accumulate reduce-scatters it at the window end.
-    with _unreduced.mesh_context(arrays):  # placed arguments are enough: no jax.set_mesh needed
-      arrays = [jax.reshard(x, P()) if d and not _replicated(x) else x for x, d in zip(arrays, diff_leaf, strict=True)]
 
-    def rebuild(array_values):
-      it = iter(array_values)
-      return jax.tree.unflatten(treedef, [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)])
+def _call(cfg: _Config, args):
+  """One call: the arguments laid out, fun traced once, then the per-device map (see the module docstring)."""
+  nums, key_argnum, axis_name = cfg.nums, cfg.key_argnum, cfg.axis_name
+  if max(nums) >= len(args) or (key_argnum is not None and key_argnum >= len(args)):
+    named = max(max(nums), -1 if key_argnum is None else key_argnum)
+    raise TypeError(f"argnums={cfg.argnums!r}, {key_argnum=} name argument {named}, but the call has {len(args)}")
+  if _unreduced.is_bound(axis_name):
+    raise ValueError(
+      f"ja.grad: {axis_name=} is bound by an enclosing pmap/shard_map: there, use jax.grad on parameters cast "
+      f"to varying (jax.lax.pcast(params, {axis_name!r}, to='varying')) and ja.accumulate(..., axis_name=)"
+    )
+  mesh = _unreduced.explicit_mesh(axis_name, args, what="ja.grad")
+  a, arrays = _arguments(cfg, mesh, args)
+  # The body runs without vma checking: fun's own loops may start their carry from a constant (an RNN from
+  # zeros, a fori_loop from 0.0), which a checked body would type as invariant against a varying output.
+  # Unchecked, autodiff leaves each device its local gradient (no psum for the replicated parameters),
+  # which is exactly the partial sum the unreduced output wants.
+  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=tuple(a.specs), check_vma=False)
+  modes = None
+  if cfg.has_aux:
+    probe = functools.partial(_probe, cfg, a)
+    shapes = _trace(lambda: jax.eval_shape(smap(probe, out_specs=P(axis_name)), *arrays), axis_name)
+    modes = _aux_modes(
+      jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes), cfg.aux_reductions, a.rows
+    )
+  aux_specs = jax.tree.map(lambda m: P(axis_name) if m == "concat" else P(), modes) if cfg.has_aux else None
+  out_specs = ((P(), aux_specs) if cfg.has_aux else P(), P(unreduced={axis_name}))
+  body = functools.partial(_body, cfg, a, modes)
+  return _trace(lambda: smap(body, out_specs=out_specs)(*arrays), axis_name)
 
-    def local_call(local_args):
-      """fun's arguments on this device: keys folded with the device index; and fun of the differentiated ones."""
-      index = lax.axis_index(axis_name)
-      full = rebuild([_fold(x, index) if k else x for x, k in zip(local_args, key_leaf, strict=True)])
 
-      def loss_of(*d):
-        call = list(full)
-        for i, v in zip(nums, d, strict=True):
-          call[i] = v
-        return fun(*call)
+def _arguments(cfg: _Config, mesh, args) -> tuple[_Args, list]:
+  """The call's leaves, masks and specs, differentiated leaves gathered, and fun traced once; and the arrays."""
+  nums, key_argnum, axis_name = cfg.nums, cfg.key_argnum, cfg.axis_name
+  leaves, treedef = jax.tree.flatten(list(args))
+  is_array = [isinstance(x, (jax.Array, jnp.ndarray)) or hasattr(x, "__jax_array__") for x in leaves]
+  arrays = [x for x, a in zip(leaves, is_array, strict=True) if a]
+  # Which flat leaves belong to differentiated arguments (replicated inside), which are keys (folded inside).
+  owner = jax.tree.flatten([[i] * len(jax.tree.leaves(a)) for i, a in enumerate(args)])[0]
+  owners = [o for o, a in zip(owner, is_array, strict=True) if a]
+  diff_leaf = [o in nums for o in owners]
+  # A typed key sharded over the axis is per-row data (each row its key) and reaches its device as it is;
+  # a replicated one would give every device the same draws, so it is folded, as is all of key_argnum.
+  key_leaf = [
+    o == key_argnum or (o not in nums and _is_key(x) and _replicated(x)) for o, x in zip(owners, arrays, strict=True)
+  ]
+  specs = [P() if d else _spec_of(x) for x, d in zip(arrays, diff_leaf, strict=True)]
+  rows = _local_rows(arrays, specs, axis_name)
+  # A differentiated leaf sharded over the axis (FSDP-style) is gathered once here: each device's loss needs
+  # all of it. Its gradient comes back unreduced at full size; ja.accumulate reduce-scatters it at the window end.
+  with _unreduced.mesh_context(arrays):  # placed arguments are enough: no jax.set_mesh needed
+    arrays = [jax.reshard(x, P()) if d and not _replicated(x) else x for x, d in zip(arrays, diff_leaf, strict=True)]
+  # fun traced once, on one device's shapes, outside the per-device map (`_program`): annotations naming the
+  # mesh's axes are localised there (every axis is manual inside, the others of size 1), and no check traces
+  # fun again.
+  local = [jax.ShapeDtypeStruct(_local_shape(x, s, mesh), x.dtype) for x, s in zip(arrays, specs, strict=True)]
+  rebuild = lambda xs: _rebuild(treedef, leaves, is_array, xs)
+  program = _trace(
+    lambda: _program.trace(
+      lambda *xs: cfg.fun(*rebuild(xs)), local, mesh=mesh, data_axes=tuple(mesh.axis_names), entry="ja.grad"
+    ),
+    axis_name,
+  )
+  return _Args(treedef, leaves, is_array, key_leaf, specs, rows, program), arrays
 
-      return full, loss_of
 
-    def probe(*local_args):
-      """aux's structure and per-device shapes (trace only): each leaf with a leading axis of one per device."""
-      full, loss_of = local_call(local_args)
-      return jax.tree.map(lambda x: jnp.asarray(x)[None], loss_of(*(full[i] for i in nums))[1])
+def _rebuild(treedef, leaves, is_array, array_values):
+  """The argument list with the array leaves replaced by `array_values` (static leaves kept)."""
+  it = iter(array_values)
+  return jax.tree.unflatten(treedef, [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)])
 
-    # The body runs without vma checking: fun's own loops may start their carry from a constant (an RNN from
-    # zeros, a fori_loop from 0.0), which a checked body would type as invariant against a varying output.
-    # Unchecked, autodiff leaves each device its local gradient (no psum for the replicated parameters),
-    # which is exactly the partial sum the unreduced output wants.
-    smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=tuple(specs), check_vma=False)
-    modes = None
-    if has_aux:
-      shapes = _trace(lambda: jax.eval_shape(smap(probe, out_specs=P(axis_name)), *arrays), axis_name)
-      modes = _aux_modes(
-        jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes), aux_reductions, rows
-      )
 
-    def body(*local_args):
-      full, loss_of = local_call(local_args)
-      out, grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(nums))), has_aux=has_aux)(
-        *(full[i] for i in nums)
-      )
-      loss, aux = out if has_aux else (out, None)
-      if jnp.ndim(loss) != 0:
-        raise TypeError(f"fun must return a scalar loss, got shape {jnp.shape(loss)}")
-      dtype = jnp.result_type(loss)
-      if weight_fn is None:
-        # Equal shares: 1/n, known here, so no scalar collective for the total.
-        keep, share, total = None, jnp.asarray(1 / lax.axis_size(axis_name), dtype), None
-      else:
-        rest = [full[i] for i in range(len(full)) if i not in nums]
-        w = jnp.asarray(weight_fn(rest[0] if len(rest) == 1 else tuple(rest)), dtype)
-        if jnp.ndim(w) != 0:
-          raise TypeError(f"weight_fn must return a scalar, got shape {jnp.shape(w)}")
-        # A device of weight 0 (padding only: its loss may be 0/0) or of an invalid weight adds exactly nothing.
-        keep = jnp.isfinite(w) & (w > 0)
-        w = jnp.where(keep, w, jnp.zeros_like(w))
-        total = lax.psum(w, axis_name)  # a scalar: the only collective of a micro-step
-        share = w / jnp.where(total > 0, total, jnp.ones_like(total))
+def _local_call(cfg: _Config, a: _Args, local_args):
+  """fun's arguments on this device (keys folded with the device index), and fun of the differentiated ones."""
+  index = lax.axis_index(cfg.axis_name)
+  folded = [_fold(x, index) if k else x for x, k in zip(local_args, a.key_leaf, strict=True)]
+  full = _rebuild(a.treedef, a.leaves, a.is_array, folded)
 
-      def part(x):
-        """This device's term share * x of the weighted mean; exactly 0 where the device does not count."""
-        x = share.astype(x.dtype) * x
-        return x if keep is None else jnp.where(keep, x, jnp.zeros_like(x))
+  def loss_of(*d):
+    call = list(full)
+    for i, v in zip(cfg.nums, d, strict=True):
+      call[i] = v
+    flat = jax.tree.leaves(call)
+    return a.program(*[x for x, is_arr in zip(flat, a.is_array, strict=True) if is_arr])
 
-      value = lax.psum(part(loss), axis_name)
-      if total is not None:
-        value = jnp.where(total > 0, value, jnp.full_like(value, jnp.nan))  # no rows at all: the plain step's 0/0
-      if has_aux:
-        aux = jax.tree.map(lambda x, m, p: _reduce_aux(x, m, p, part, axis_name), aux, modes, _paths(aux))
-      grads = jax.tree.map(part, grads)
-      grads = grads[0] if isinstance(argnums, int) else grads
-      return ((value, aux) if has_aux else value), grads
+  return full, loss_of
 
-    aux_specs = jax.tree.map(lambda m: P(axis_name) if m == "concat" else P(), modes) if has_aux else None
-    out_specs = ((P(), aux_specs) if has_aux else P(), P(unreduced={axis_name}))
-    return _trace(lambda: smap(body, out_specs=out_specs)(*arrays), axis_name)
 
-  return wrapped
+def _probe(cfg: _Config, a: _Args, *local_args):
+  """aux's structure and per-device shapes (trace only): each leaf with a leading axis of one per device."""
+  full, loss_of = _local_call(cfg, a, local_args)
+  return jax.tree.map(lambda x: jnp.asarray(x)[None], loss_of(*(full[i] for i in cfg.nums))[1])
+
+
+def _body(cfg: _Config, a: _Args, modes, *local_args):
+  """One device: fun's value and gradient on its rows, weighted into its share; value and aux reduced."""
+  axis_name, nums = cfg.axis_name, cfg.nums
+  full, loss_of = _local_call(cfg, a, local_args)
+  out, grads = jax.value_and_grad(loss_of, argnums=tuple(range(len(nums))), has_aux=cfg.has_aux)(
+    *(full[i] for i in nums)
+  )
+  loss, aux = out if cfg.has_aux else (out, None)
+  if jnp.ndim(loss) != 0:
+    raise TypeError(f"fun must return a scalar loss, got shape {jnp.shape(loss)}")
+  keep, share, total = _shares(cfg, full, jnp.result_type(loss))
+
+  def part(x):
+    """This device's term share * x of the weighted mean; exactly 0 where the device does not count."""
+    x = share.astype(x.dtype) * x
+    return x if keep is None else jnp.where(keep, x, jnp.zeros_like(x))
+
+  value = lax.psum(part(loss), axis_name)
+  if total is not None:
+    value = jnp.where(total > 0, value, jnp.full_like(value, jnp.nan))  # no rows at all: the plain step's 0/0
+  if cfg.has_aux:
+    aux = jax.tree.map(lambda x, m, p: _reduce_aux(x, m, p, part, axis_name), aux, modes, _paths(aux))
+  grads = jax.tree.map(part, grads)
+  grads = grads[0] if isinstance(cfg.argnums, int) else grads
+  return ((value, aux) if cfg.has_aux else value), grads
+
+
+def _shares(cfg: _Config, full, dtype):
+  """(keep, share, total): this device's share W_d / W of the weighted mean (see the module docstring)."""
+  axis_name = cfg.axis_name
+  if cfg.weight_fn is None:
+    # Equal shares: 1/n, known here, so no scalar collective for the total.
+    return None, jnp.asarray(1 / lax.axis_size(axis_name), dtype), None
+  rest = [full[i] for i in range(len(full)) if i not in cfg.nums]
+  w = jnp.asarray(cfg.weight_fn(rest[0] if len(rest) == 1 else tuple(rest)), dtype)
+  if jnp.ndim(w) != 0:
+    raise TypeError(f"weight_fn must return a scalar, got shape {jnp.shape(w)}")
+  # A device of weight 0 (padding only: its loss may be 0/0) or of an invalid weight adds exactly nothing.
+  keep = jnp.isfinite(w) & (w > 0)
+  w = jnp.where(keep, w, jnp.zeros_like(w))
+  total = lax.psum(w, axis_name)  # a scalar: the only collective of a micro-step
+  return keep, w / jnp.where(total > 0, total, jnp.ones_like(total)), total
 
 
 def _trace(call, axis_name):
@@ -384,6 +467,12 @@ def _reduce_aux(x, mode, path, part, axis_name):
     return x
   if mode == "sum":
     return lax.psum(x, axis_name)
+  if _is_key(x):
+    raise TypeError(
+      f"aux{path} is a PRNG key: ja.grad folds the typed keys of its arguments with each device's index (each "
+      "device draws its own), so a key returned in aux differs per device and has no mean over them: advance "
+      "the key in your step, outside ja.grad (e.g. model state with a key: keep the key out of fun's aux)"
+    )
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(
       f"aux{path} has dtype {x.dtype}: ja.grad returns aux as the weighted mean over devices, which needs "

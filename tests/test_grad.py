@@ -566,9 +566,9 @@ def test_per_example_aux_comes_back_in_row_order_and_reductions_are_explicit():
   assert int(aux["n"]) == 32
 
 
-def test_closures_and_data_axis_annotations_are_refused_by_name():
-  """The cookbook's explicit-sharding code (reshard / out_sharding over "data") and a loss that reads its batch
-  from the enclosing scope: a jaxaccum error naming the construct and what to write instead."""
+def test_data_axis_annotations_run_exact_and_closures_are_refused_by_name():
+  """The cookbook's explicit-sharding code (reshard / out_sharding over "data"): exact, its annotations localised
+  (once refused by name); a loss that reads its batch from the enclosing scope: a jaxaccum error naming it."""
   params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
   x, y = regression_data(jax.random.PRNGKey(3), 32)
 
@@ -582,10 +582,10 @@ def test_closures_and_data_axis_annotations_are_refused_by_name():
   with jax.set_mesh(mesh):
     p = jax.device_put(params, NamedSharding(mesh, P()))
     batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
-    with pytest.raises(ValueError, match=r"ja\.grad: the loss annotates a sharding over the data axis 'data'.*drop"):
-      jax.jit(ja.grad(annotated, axis_name="data"))(p, batch)
+    got = jax.jit(lambda q, b: jax.reshard(ja.grad(annotated, axis_name="data")(q, b), P()))(p, batch)
     with pytest.raises(ValueError, match=r"ja\.grad: the loss reads an array sharded over 'data' from the enclosing"):
       jax.jit(lambda q, b: ja.grad(lambda q: mse_loss(q, b), axis_name="data")(q))(p, batch)
+  chex.assert_trees_all_close(jax.device_get(got), jax.grad(mse_loss)(params, (x, y)), rtol=RTOL, atol=1e-12)
 
 
 def test_unreduced_gradients_given_to_a_consumer_that_cannot_reduce_them_are_refused():
@@ -706,3 +706,21 @@ def test_per_row_keys_and_a_sharded_parameter_without_set_mesh():
   np.testing.assert_allclose(value, ref_value, rtol=RTOL)
   np.testing.assert_allclose(aux, ref_aux, rtol=RTOL)
   chex.assert_trees_all_close(g, ref, rtol=RTOL, atol=0)
+
+
+def test_fun_is_traced_once_aux_included():
+  """ja.grad reads aux's per-device shapes and runs fun from one trace: fun's Python runs once per jit trace."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 32)
+  calls = []
+
+  def loss(q, b):
+    calls.append(1)
+    return mse_loss(q, b), {"per_row": jnp.sum(mlp_apply(q, b[0]), -1)}
+
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    jax.jit(ja.value_and_grad(loss, axis_name="data", has_aux=True)).lower(p, batch)
+  assert len(calls) == 1

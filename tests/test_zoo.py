@@ -89,17 +89,18 @@ def mesh_for(model, data_shape, data_names, explicit=False):
 
 
 def local_context(model):
-  """One device's context: the mesh axes the loss names (the TP layer's "model", the cookbook's "data")."""
-  if model.mesh_axes:
-    (axis, size), *_ = model.mesh_axes
-    return jax.set_mesh(jax.make_mesh((size,), (axis,), axis_types=(AxisType.Auto,), devices=jax.devices()[:size]))
-  if model.explicit:
-    return jax.set_mesh(jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1]))
-  return contextlib.nullcontext()
+  """One device's context: the mesh axes the loss names (the TP layer's "model", the annotations' "data": size 1)."""
+  axes = ((("data", 1),) if (model.explicit or model.annotates_data) else ()) + model.mesh_axes
+  if not axes:
+    return contextlib.nullcontext()
+  kind = AxisType.Explicit if model.explicit else AxisType.Auto
+  sizes, names = tuple(s for _, s in axes), tuple(a for a, _ in axes)
+  devices = jax.devices()[: int(np.prod(sizes))]
+  return jax.set_mesh(jax.make_mesh(sizes, names, axis_types=(kind,) * len(axes), devices=devices))
 
 
 def mesh_context(model, mesh):
-  return jax.set_mesh(mesh) if (model.mesh_axes or model.explicit) else contextlib.nullcontext()
+  return jax.set_mesh(mesh) if (model.mesh_axes or model.explicit or model.annotates_data) else contextlib.nullcontext()
 
 
 # --- the entry points: each returns (params, state or None, the row groups it averaged over) ------------------------
@@ -174,11 +175,14 @@ def run_accumulate_own_jit(model, params, state, batch):
 
 def run_microbatch(model, params, state, batch):
   opt = optimizer()
+  # Model state: floating leaves averaged, the others (a key, a counter) the last microbatch's, as make_train_step.
+  last = lambda x: "mean" if jnp.issubdtype(x.dtype, jnp.inexact) else "last"
   fun = ja.microbatch(
     jax.grad(model.loss, has_aux=model.has_state),
     K,
     batch_argnums=2 if model.has_state else 1,
     weight_fn=model.weight_fn,
+    reductions=("mean", jax.tree.map(last, state)) if model.has_state else None,
   )
 
   @jax.jit
@@ -321,10 +325,13 @@ MESH_STEPS = ("step ddp", "step zero1", "step fsdp", "step fsdp once", "step hsd
 _NO_MESH_IN_PMAP = Cell(
   "n/a", why="pmap maps one device per replica: a loss naming mesh axes (nested shard_map, annotations) needs a mesh"
 )
-_ANNOTATED = Cell(
-  "refused",
-  name="data-axis annotation",
-  match=r"the loss annotates a sharding over the data axis .*drop the .* entries from the annotations",
+_MODEL_AXIS_OWN_JIT = Cell(
+  "refused", name="mesh axis besides the data axis", match="has the axis 'model' besides axis_name='data'"
+)
+_ANNOTATION_IN_OWN_SHARD_MAP = Cell(
+  "n/a",
+  why="a user's shard_map over the data axis makes that axis manual, which JAX refuses in an annotation, "
+  "jaxaccum aside (tests/test_program.py shows JAX's own error); make_train_step and ja.grad localise them",
 )
 CELLS: dict[tuple[str, str], Cell] = {
   # The docs' tensor-parallel layer: a nested shard_map over "model".
@@ -334,16 +341,21 @@ CELLS: dict[tuple[str, str], Cell] = {
     why="JAX cannot lower the layer's shard_map over 'model' nested in a user's shard_map over 'data' "
     "('Cannot lower jaxpr with verifier errors', with or without jaxaccum); make_train_step runs it",
   ),
-  ("shard_map_tp", "accumulate own jit"): Cell(
-    "refused", name="mesh axis besides the data axis", match="has the axis 'model' besides axis_name='data'"
-  ),
+  ("shard_map_tp", "accumulate own jit"): _MODEL_AXIS_OWN_JIT,
+  # The docs' module-level @jax.shard_map layer (gemm_tp).
+  ("shard_map_tp_module", "accumulate pmap"): _NO_MESH_IN_PMAP,
+  ("shard_map_tp_module", "accumulate own jit"): _MODEL_AXIS_OWN_JIT,
   # The cookbook's explicit-sharding model: activations annotated with P("data").
   ("cookbook_explicit", "accumulate pmap"): _NO_MESH_IN_PMAP,
-  ("cookbook_explicit", "accumulate shard_map"): Cell(
-    "n/a", why="a user's shard_map over the data axis makes that axis manual, which the annotations may not name"
+  ("cookbook_explicit", "accumulate shard_map"): _ANNOTATION_IN_OWN_SHARD_MAP,
+  # with_sharding_constraint and Flax logical constraints naming "data" on an Auto (data, model) mesh.
+  **{(m, "accumulate pmap"): _NO_MESH_IN_PMAP for m in ("wsc_auto", "linen_logical")},
+  **{(m, "accumulate shard_map"): _ANNOTATION_IN_OWN_SHARD_MAP for m in ("wsc_auto", "linen_logical")},
+  **{(m, "accumulate own jit"): _MODEL_AXIS_OWN_JIT for m in ("wsc_auto", "linen_logical")},
+  # A typed key in the model state: ja.grad folds argument keys per device, so the state's key is per device.
+  ("key_in_state", "accumulate own jit"): Cell(
+    "refused", name="key in aux", match=r"aux\['rng'\] is a PRNG key: ja.grad folds the typed keys"
   ),
-  ("cookbook_explicit", "accumulate own jit"): _ANNOTATED,
-  **{("cookbook_explicit", e): _ANNOTATED for e in MESH_STEPS},
   # An RNN from h0 = zeros: the constant carry meets varying parameters on a mesh.
   ("rnn_zeros_carry", "accumulate shard_map"): Cell(
     "n/a", why="in a user's own shard_map JAX requires the model to pcast a constant scan carry (before jaxaccum runs)"
@@ -357,17 +369,28 @@ def cell(model: str, entry: str) -> Cell:
   return CELLS.get((model, entry), EXACT)
 
 
+def _key_data(tree):
+  """Typed PRNG keys as their raw data (allclose compares numbers)."""
+  is_key = lambda x: hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+  return jax.tree.map(lambda x: jax.random.key_data(x) if is_key(x) else x, tree)
+
+
 def run_cell(model_name, entry):
   model = MODELS[model_name]
   init = model.init(jax.random.PRNGKey(0))
   params, state = init if model.has_state else (init, None)
   batch = model.batch(jax.random.PRNGKey(1), N)
+  if model.fresh is not None:
+    model.fresh()
   got_params, got_state, groups = ENTRIES[entry](model, params, state, batch)
+  if model.fresh is not None:
+    model.fresh()
   with local_context(model):
     want_params, want_state = reference(model, params, state, batch, tuple(tuple(int(r) for r in g) for g in groups))
   tol = {"rtol": model.rtol, "atol": model.atol}
   chex.assert_trees_all_close(jax.tree.leaves(got_params), jax.tree.leaves(want_params), **tol)
   if got_state is not None:  # linen keeps BatchNorm statistics in float32 whatever the parameters
+    got_state, want_state = _key_data(got_state), _key_data(want_state)
     chex.assert_trees_all_close(got_state, want_state, rtol=max(model.rtol, 1e-6), atol=max(model.atol, 1e-7))
 
 
@@ -380,7 +403,15 @@ def check_cell(model_name, entry):
     run_cell(model_name, entry)
 
 
-SMOKE = {("linen_mlp", "step ddp"), ("masked_padding", "microbatch"), ("eqx_mlp", "accumulate")}
+SMOKE = {
+  ("linen_mlp", "step ddp"),
+  ("masked_padding", "microbatch"),
+  ("eqx_mlp", "accumulate"),
+  ("cookbook_explicit", "step fsdp"),  # annotations localised: Explicit out_sharding/reshard, layerwise fsdp
+  ("wsc_auto", "step hsdp"),  # with_sharding_constraint on (replica, data, model), Auto
+  ("shard_map_tp_module", "step fsdp once"),  # the module-level @jax.shard_map layer
+  ("custom_vjp_layer", "accumulate own jit"),  # a custom_vjp's bwd checked on the localised avals (Explicit)
+}
 
 
 def _params():
@@ -451,8 +482,8 @@ def markdown() -> str:
       "Every entry point of jaxaccum against every model of the tests' zoo (`tests/zoo/`): small models",
       "written as their authors write them (Flax linen and nnx, Equinox, plain JAX), each bringing one",
       "construct the JAX docs teach. A cell runs one update (K=2 microbatches per device of a 32-row batch;",
-      '8 devices, hsdp on (2, 4); the tensor-parallel model keeps 2 of them for its "model" axis) and is',
-      "either **exact** against the plain full-batch step written with `jax.grad` + optax (float64, 1e-10;",
+      '8 devices, hsdp on (2, 4); a model with a "model" axis keeps 2 of them for it) and is either',
+      "**exact** against the plain full-batch step written with `jax.grad` + optax (float64, 1e-10;",
       "bf16 within a bf16 tolerance), or **refused** up front by a jaxaccum error that names the construct",
       "and what to use instead. A JAX error from inside jaxaccum, a hang or a wrong number fails the cell.",
       "",

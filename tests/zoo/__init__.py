@@ -37,6 +37,10 @@ class Model:
     weight_fn: `weight_fn(rows) -> scalar` for a masked mean loss (the real rows), else None.
     mesh_axes: extra mesh axes the loss names (the tensor-parallel layer's {"model": 2}).
     explicit: the loss annotates activations with the "data" axis (needs an Explicit mesh context).
+    annotates_data: the loss names the "data" axis in sharding annotations on an Auto mesh (needs a mesh context
+      with that axis, of size 1 where the entry point has none).
+    fresh: called before each use of the model (a module-level `@jax.shard_map` keeps the mesh of its first
+      call: each cell reloads its module, as a fresh process would import it), or None.
     rtol, atol: tolerance against the reference (float64: 1e-10; bf16: scaled to bf16).
     linen: for linen models, `(module, variables -> (params, state))`; used by ja.flax.TrainState.
     nnx: for nnx models, `(params -> nnx module, module_loss(module, batch))`; for AccumulatingOptimizer.
@@ -53,14 +57,16 @@ class Model:
   weight_fn: Callable[[Any], Any] | None = None
   mesh_axes: tuple[tuple[str, int], ...] = ()
   explicit: bool = False
+  annotates_data: bool = False
   rtol: float = 1e-10
   atol: float = 1e-12
   linen: Any = None
   nnx: Any = None
+  fresh: Callable[[], Any] | None = None
 
 
 def models() -> list[Model]:
   """Every model of the zoo, in the matrix's row order."""
-  from zoo import eqx_models, flax_models, jax_models
+  from zoo import annotated_models, eqx_models, flax_models, jax_models
 
-  return [*flax_models.MODELS, *eqx_models.MODELS, *jax_models.MODELS]
+  return [*flax_models.MODELS, *eqx_models.MODELS, *jax_models.MODELS, *annotated_models.MODELS]

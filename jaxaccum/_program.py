@@ -1,0 +1,462 @@
+"""The user's loss, traced once: every check reads this jaxpr, and the per-device map evaluates it localised.
+
+`make_train_step` and `ja.grad` on a mesh run the loss on each device's own
+rows inside a `jax.shard_map` manual over the data axes. Model code written for
+the global batch names those axes in sharding annotations
+(`with_sharding_constraint(h, NamedSharding(mesh, P("data", ...)))`, Flax's
+`nn.with_logical_constraint` under rules mapping "batch" to "data", the
+cookbook's `out_sharding=P("data", ...)` and `jax.sharding.reshard`). JAX refuses
+a manual axis in an annotation in its Python API, before anything is staged, so
+such code cannot be traced inside the map. It can be traced outside it:
+
+1. `trace` traces the loss ONCE with `jax.make_jaxpr`, on the shapes one
+   device's microbatch has, under the mesh the user's own jit would see (on
+   Explicit meshes with every data axis of size 1, so that an annotation naming
+   it divides the local rows; Auto meshes check no divisibility at trace time).
+   Every check (`refusal`) reads that jaxpr: the user's code is never traced
+   again, so a module-level `@jax.shard_map` layer (whose wrapper keeps the
+   context mesh of its first call) sees one trace.
+2. `Program.__call__`, inside the per-device map, rewrites the jaxpr once per
+   trace of the step (`_Localiser`), structurally: every mesh, sharding and
+   PartitionSpec in the equations' parameters (sharding constraints, reshards,
+   `out_sharding=`, jit's shardings and context mesh, a nested shard_map's mesh
+   and specs), every aval's sharding and every equation's context mesh, in
+   every nested jaxpr, is mapped to the mesh as seen inside the map (data axes
+   Manual) with the data axes dropped from the specs and the other axes (e.g.
+   "model") kept. Inside the map the data axes are already split, so dropping
+   them keeps the model's meaning. The result is evaluated by JAX's own
+   `jax.core.eval_jaxpr`: every equation is bound exactly as JAX binds it.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+# jax internals used by the rewrite (the public jaxpr types lack constructors for equations and contexts).
+from jax._src import ad_util as _ad_util  # noqa: PLC2701
+from jax._src import config as _config  # noqa: PLC2701
+from jax._src import core as _core  # noqa: PLC2701
+from jax._src import linear_util as _lu  # noqa: PLC2701
+from jax._src import literals as _literals  # noqa: PLC2701
+from jax._src import mesh as _mesh_lib  # noqa: PLC2701
+from jax.extend import core as jex_core
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+# Parameters that name axes made manual (shard_map); collectives' axes (psum's "axes", all_gather's "axis_name").
+_MANUAL_PARAMS = ("newly_manual_axes", "manual_axes")
+_AXIS_PARAMS = ("axes", "axis_name")
+# A custom derivative's rule, traced by JAX when it differentiates: custom_jvp's jvp, custom_vjp's fwd.
+_RULE_THUNKS = ("jvp_jaxpr_fun", "fwd_jaxpr_thunk")
+
+
+_EMPTY = jax.sharding.AbstractMesh((), ())
+
+
+class Program:
+  """`fn` traced once at per-device shapes: call it inside the per-device map on arguments of those shapes.
+
+  Attributes:
+    closed: the traced `ClosedJaxpr` (what every check reads).
+    data_axes: the mesh axes the per-device map makes manual.
+    at: the mesh it was traced under (`trace_mesh`).
+  """
+
+  def __init__(self, closed, in_tree, out_tree, data_axes, at):
+    self.closed, self.in_tree, self.out_tree, self.data_axes = closed, in_tree, out_tree, tuple(data_axes)
+    self.at = at  # the mesh it was traced under
+    self._cache: dict = {}
+
+  def __call__(self, *args):
+    leaves, tree = jax.tree.flatten(args)
+    if tree != self.in_tree:
+      raise ValueError(f"the loss was traced for arguments {self.in_tree}, called with {tree}")
+    inside = jax.sharding.get_abstract_mesh()
+    closed = self._cache.get(inside)
+    if closed is None:
+      closed = self._cache[inside] = localise(self.closed, inside, self.data_axes, self.at)
+    out = jex_core.jaxpr_as_fun(closed)(*leaves)
+    # An output that is a constant of the trace (eqx's `state.set(..., jnp.array(False))`) is a Literal, which
+    # evaluates to its Python value: give it back as the array the user's code returned.
+    out = [
+      o if isinstance(o, (jax.Array, jax.core.Tracer)) else jax.numpy.asarray(o, v.aval.dtype)
+      for o, v in zip(out, closed.jaxpr.outvars, strict=True)
+    ]
+    return jax.tree.unflatten(self.out_tree, out)
+
+
+def trace_mesh(mesh, data_axes):
+  """The abstract mesh the loss is traced under: the step's, with every data axis of size 1 if any is Explicit."""
+  abstract = mesh.abstract_mesh
+  if not any(abstract._name_to_type[a] == AxisType.Explicit for a in data_axes):
+    return abstract
+  sizes = tuple(1 if n in data_axes else s for n, s in zip(abstract.axis_names, abstract.axis_sizes, strict=True))
+  return abstract.update(axis_sizes=sizes)
+
+
+def trace(fn, args, *, mesh, data_axes, batch_argnums=(), entry: str = "make_train_step") -> Program:
+  """`fn` traced once on abstract `args` (one device's shapes) under `trace_mesh(mesh, data_axes)`.
+
+  Args:
+    fn: the user's loss.
+    args: its arguments as one device sees them (arrays or ShapeDtypeStructs;
+      only shapes and dtypes are read).
+    mesh: the step's mesh.
+    data_axes: the axes the per-device map makes manual.
+    batch_argnums: arguments whose leaves are rows split over the data axes
+      (typed unsharded; the others keep their non-data axes on Explicit meshes).
+    entry: the entry point, for the messages.
+
+  Raises:
+    ValueError: a nested `jax.shard_map` that cannot be traced on one
+      device's rows (`explain_trace_error`); JAX's own error otherwise.
+  """
+  data_axes = tuple(data_axes)
+  at = trace_mesh(mesh, data_axes)
+  explicit = any(t == AxisType.Explicit for t in at.axis_types)
+
+  def aval(x, batch):
+    x = x if hasattr(x, "dtype") else jax.numpy.asarray(x)  # a Python scalar in the state, say
+    shape, dtype = np.shape(x), x.dtype
+    if not explicit:
+      return jax.ShapeDtypeStruct(shape, dtype)
+    # The rows are typed unsharded: on size-1 data axes that is the same layout, and an annotation naming one
+    # data axis (P("data")) then meets a batch split over several (hsdp's ("replica", "data")) without conflict.
+    spec = PartitionSpec() if batch else _typed_spec(x, data_axes)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(at, spec))
+
+  avals = tuple(jax.tree.map(lambda x, b=i in batch_argnums: aval(x, b), a) for i, a in enumerate(args))
+  leaves, in_tree = jax.tree.flatten(avals)
+  out_tree = []
+
+  def flat(*xs):
+    out = fn(*jax.tree.unflatten(in_tree, xs))
+    outs, tree = jax.tree.flatten(out)
+    out_tree.append(tree)
+    return outs
+
+  # Entered through the empty mesh: JAX refuses to change a set mesh's size directly, and the size-1 data
+  # axes are what lets an Explicit annotation divide one device's rows.
+  try:
+    with jax.sharding.use_abstract_mesh(_EMPTY), jax.sharding.use_abstract_mesh(at):
+      closed = jax.make_jaxpr(flat)(*leaves)
+  except Exception as e:
+    explained = explain_trace_error(e, mesh, data_axes, entry)
+    if explained is None:
+      raise
+    raise explained from e
+  return Program(closed, in_tree, out_tree[0], data_axes, at)
+
+
+def _typed_spec(x, data_axes) -> PartitionSpec:
+  """The spec `x` is typed with (its Explicit axes), data axes dropped; P() for a value without one."""
+  sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else getattr(x, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None:
+    return PartitionSpec()
+  return drop_axes(PartitionSpec(*spec), data_axes)
+
+
+def drop_axes(spec: PartitionSpec, axes) -> PartitionSpec:
+  """`spec` without the mesh axes `axes` (an entry left with none becomes None); unreduced/reduced too."""
+  axes = set(axes)
+
+  def entry(e):
+    if e is None or e is PartitionSpec.UNCONSTRAINED:
+      return e
+    names = tuple(n for n in (e if isinstance(e, tuple) else (e,)) if n not in axes)
+    return None if not names else names[0] if len(names) == 1 else names
+
+  return PartitionSpec(*(entry(e) for e in spec), unreduced=spec.unreduced - axes, reduced=spec.reduced - axes)
+
+
+# --------------------------------------------------------------------------- what the checks read
+
+
+def data_axes_mapped_over(closed, data_axes) -> set:
+  """The data axes a `shard_map` in the loss maps over AND uses (in its specs or its collectives).
+
+  A nested shard_map made manual over every axis of the context (one written
+  without `axis_names=`, like the docs' `gemm_tp`) covers the data axes too,
+  but if neither its specs nor its body name them, it is replicated over them:
+  inside the per-device map it runs on the device's rows unchanged. One that
+  names a data axis splits the batch and reduces over it itself (the docs'
+  hand-written data-parallel loss).
+  """
+  data = set(data_axes)
+  found: set = set()
+  for eqn in _eqns(closed.jaxpr):
+    if eqn.primitive.name != "shard_map":
+      continue
+    manual = set(eqn.params.get("newly_manual_axes", ())) & data
+    named = set()
+    for spec in (*eqn.params["in_specs"], *eqn.params["out_specs"]):
+      named |= _spec_names(spec)
+    named |= _collective_axes(eqn.params["jaxpr"])
+    found |= manual & named
+  return found
+
+
+def _spec_names(spec) -> set:
+  names: set = set()
+  for e in spec if isinstance(spec, PartitionSpec) else ():
+    if e is not None and e is not PartitionSpec.UNCONSTRAINED:
+      names |= set(e if isinstance(e, tuple) else (e,))
+  return names
+
+
+def _collective_axes(jaxpr) -> set:
+  names: set = set()
+  for eqn in _eqns(jaxpr):
+    for p in _AXIS_PARAMS:
+      v = eqn.params.get(p)
+      if isinstance(v, str):
+        names.add(v)
+      elif isinstance(v, (tuple, list, frozenset, set)):
+        names |= {a for a in v if isinstance(a, str)}
+  return names
+
+
+def _eqns(jaxpr):
+  """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else (v,):
+        if isinstance(sub, jex_core.ClosedJaxpr):
+          yield from _eqns(sub.jaxpr)
+        elif isinstance(sub, jex_core.Jaxpr):
+          yield from _eqns(sub)
+
+
+def shard_map_refusal(data_axis: str, entry: str) -> ValueError:
+  """The refusal of a loss that runs its own `jax.shard_map` over the data axis `data_axis`."""
+  return ValueError(
+    f"loss_fn calls jax.shard_map over the data axis {data_axis!r} itself (with psum/pmean inside): "
+    f"{entry} splits the batch over the data axes, runs the loss per device and reduces the "
+    "gradient for you. Pass the plain per-batch loss, loss_fn(params, batch) -> the mean loss over "
+    "that batch's rows, without the shard_map or the pmean."
+  )
+
+
+def explain_trace_error(e: Exception, mesh, data_axes, entry: str) -> Exception | None:
+  """A jaxaccum error for JAX's `e` raised while tracing the loss on one device's rows, or None.
+
+  Two ways a nested `jax.shard_map` fails there: one that splits the rows over
+  a data axis itself (its in_specs name it: the device's rows do not divide
+  over it), and one bound to a mesh other than the context the loss is traced
+  under (`mesh=` given on an Explicit mesh, traced with its data axes of size
+  1, or a module-level `@jax.shard_map`, which keeps the mesh of its first call).
+  """
+  text = str(e)
+  if "shard_map" in text and "evenly divisible" in text:
+    named = [a for a in data_axes if f"to mesh axis {a!r}" in text or f"mesh axis {a!r}" in text]
+    if named:
+      return shard_map_refusal(named[0], entry)
+  if "in_specs passed to shard_map" in text and "does not match the specs of the input" in text:
+    return ValueError(
+      f"{entry}: loss_fn applies a jax.shard_map manual over every mesh axis (written without axis_names=, like "
+      "the JAX docs' gemm_tp) on a mesh with Explicit axes, where JAX requires each input's type to match the "
+      "in_specs exactly; the batch is split over the data axis, so it does not (JAX raises the same in your own "
+      "jax.jit with the batch sharded over the data axis). Make the mesh with Auto axes (jax.make_mesh(..., "
+      f"axis_types=(AxisType.Auto,) * n)): {entry} runs such a layer there exactly"
+    )
+  if "should match the mesh passed to shard_map" in text:
+    at = trace_mesh(mesh, data_axes)
+    sized = (
+      ""
+      if at == mesh.abstract_mesh
+      else " with its data axes of size 1 (Explicit axes: so that an annotation naming one divides the rows)"
+    )
+    return ValueError(
+      f"{entry}: loss_fn calls a jax.shard_map bound to a mesh other than the one {entry} traces the loss under: "
+      f"the loss is traced once, on one device's rows, under the step's mesh{sized}, and JAX binds a module-level "
+      "@jax.shard_map to the context mesh of its first call (or to its mesh=). If it maps over the data axis with "
+      "a pmean inside (the JAX docs' hand-written data-parallel loss), pass the plain per-batch loss instead: "
+      f"{entry} splits the batch over the data axes and reduces the gradient for you. A layer over other axes "
+      "(tensor parallel): write it without mesh= and apply jax.shard_map inside the loss, on a mesh with Auto axes"
+    )
+  return None
+
+
+def primitives(closed) -> set:
+  """The names of every primitive in the traced loss (nested jaxprs included)."""
+  return {eqn.primitive.name for eqn in _eqns(closed.jaxpr)}
+
+
+# --------------------------------------------------------------------------- localising the annotations
+
+
+def localise(closed, inside, data_axes, at):
+  """`closed` with every mesh mapped to `inside` (the per-device map's mesh) and the data axes dropped.
+
+  `at`: the mesh `closed` was traced under; a custom derivative's rule, which
+  JAX traces only when it differentiates, is traced under it too (on the avals
+  of the original trace) and localised the same way.
+  """
+  return _Localiser(inside, data_axes, at).closed(closed)
+
+
+class _Localiser:
+  """One structural rewrite of a traced jaxpr (see the module docstring), memoised per variable."""
+
+  def __init__(self, inside, data_axes, at):
+    self.inside, self.data, self.at = inside, frozenset(data_axes), at
+    self.vars: dict = {}
+    self.meshes: dict = {}
+
+  def mesh(self, m):
+    """The mesh `m` (a trace-time mesh, concrete or abstract) as seen inside the map, its manual axes kept."""
+    if m is None or getattr(m, "empty", False):
+      return m
+    key = m.abstract_mesh if hasattr(m, "abstract_mesh") else m
+    got = self.meshes.get(key)
+    if got is None:
+      names = set(key.axis_names)
+      if not names <= set(self.inside.axis_names):
+        raise ValueError(
+          f"the loss names a mesh with axes {key.axis_names}, but it runs on the step's mesh with axes "
+          f"{self.inside.axis_names}: annotate with the step's mesh (or its axis names)"
+        )
+      manual = {n: AxisType.Manual for n in key.axis_names if key._name_to_type[n] == AxisType.Manual}
+      got = self.meshes[key] = self.inside.update_axis_types(manual) if manual else self.inside
+    return got
+
+  def spec(self, s: PartitionSpec) -> PartitionSpec:
+    return drop_axes(s, self.data)
+
+  def sharding(self, s):
+    if isinstance(s, NamedSharding):
+      return NamedSharding(self.mesh(s.mesh), self.spec(s.spec), memory_kind=s.memory_kind)
+    return s
+
+  def aval(self, a):
+    if not isinstance(a, _core.ShapedArray):
+      return a
+    sharding = a.sharding
+    mat = a.manual_axis_type
+    if sharding is not None and not sharding.mesh.empty:
+      sharding = self.sharding(sharding)
+    elif not self.inside.empty:
+      return a
+    mat = _core.ManualAxisType(
+      varying=mat.varying - self.data, unreduced=mat.unreduced - self.data, reduced=mat.reduced - self.data
+    )
+    return a.update(sharding=sharding, manual_axis_type=mat)
+
+  def const(self, x):
+    """A constant of the trace, its type localised: a literal's host array carries the trace's mesh in its aval
+    (a trace inside a caller's shard_map, ja.diloco_train_step's)."""
+    if isinstance(x, _literals.TypedNdArray):
+      return _literals.TypedNdArray(np.asarray(x), self.aval(x.aval))
+    return x
+
+  def var(self, v):
+    if isinstance(v, _core.Literal):
+      return _core.Literal(self.const(v.val), self.aval(v.aval))
+    got = self.vars.get(v)
+    if got is None:
+      got = self.vars[v] = _core.Var(self.aval(v.aval), v.initial_qdd, v.final_qdd)
+    return got
+
+  def closed(self, c):
+    return jex_core.ClosedJaxpr(self.jaxpr(c.jaxpr), [self.const(x) for x in c.consts])
+
+  def jaxpr(self, j):
+    return j.replace(
+      constvars=[self.var(v) for v in j.constvars],
+      invars=[self.var(v) for v in j.invars],
+      outvars=[self.var(v) for v in j.outvars],
+      eqns=[self.eqn(e) for e in j.eqns],
+    )
+
+  def eqn(self, e):
+    params = {k: self.param(k, v) for k, v in e.params.items()}
+    return _core.new_jaxpr_eqn(
+      [self.var(v) for v in e.invars],
+      [self.var(v) for v in e.outvars],
+      e.primitive,
+      params,
+      e.effects,
+      e.source_info,
+      self.ctx(e.ctx),
+    )
+
+  def ctx(self, ctx):
+    m = ctx.cur_abstract_mesh
+    return _core.JaxprEqnContext._create(
+      ctx.compute_type,
+      ctx.threefry_partitionable,
+      self.mesh(m) if not m.empty else self.inside,
+      ctx.remove_size_one_mesh_axis,
+      None if ctx.xla_metadata is None else tuple(sorted(ctx.xla_metadata.items())),
+    )
+
+  def param(self, name, v):
+    if name in _MANUAL_PARAMS and isinstance(v, (frozenset, set, tuple)):
+      return type(v)(a for a in v if a not in self.data)
+    if name in _RULE_THUNKS and isinstance(v, _lu.WrappedFun):
+      return self.rule(v)
+    if name == "bwd" and isinstance(v, _lu.WrappedFun):
+      return self.bwd(v)
+    return self.value(v)
+
+  def bwd(self, bwd):
+    """A custom_vjp's (flattened) bwd: its outputs checked against the primal avals as seen inside the map.
+
+    JAX checks the bwd rule's cotangents against the primal avals of the
+    original trace (typed on the trace's mesh), which the cotangents computed
+    inside the map never match on an Explicit mesh. The same check (shape and
+    dtype) is made here on the localised avals, and symbolic zeros get them.
+    """
+    avals = next((static[1] for gen, static in bwd.transforms if getattr(gen, "__name__", "") == "_flatten_bwd"), None)
+    local = None if avals is None else [self.aval(a) for a in avals]
+
+    def run(*args):
+      with _config.disable_bwd_checks(True):
+        outs = list(bwd.call_wrapped(*args))
+      for i, o in enumerate(outs):
+        want = None if local is None or i >= len(local) else local[i].to_ct_aval()
+        if isinstance(o, _ad_util.Zero):
+          outs[i] = _ad_util.Zero(self.aval(o.aval) if want is None else want)
+        elif want is not None and (jax.numpy.shape(o) != want.shape or jax.numpy.result_type(o) != want.dtype):
+          raise ValueError(
+            f"Custom VJP bwd rule must produce an output with the same type as the args tuple of the primal "
+            f"function, but at output[{i}] the bwd rule produced {jax.typeof(o).str_short()} for an input of "
+            f"type {want.str_short()}"
+          )
+      return outs
+
+    return _lu.wrap_init(run, debug_info=bwd.debug_info)
+
+  def rule(self, thunk):
+    """A custom_jvp's jvp / custom_vjp's fwd thunk: traced under the trace's mesh, its jaxpr localised.
+
+    JAX traces the rule when it differentiates, on the avals of the original
+    trace (typed on the trace's mesh); traced inside the map instead, a
+    `full_like` of such an aval (relu's jvp) would name the trace's mesh.
+    """
+
+    def traced(*zeros):
+      with jax.sharding.use_abstract_mesh(_EMPTY), jax.sharding.use_abstract_mesh(self.at):
+        jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+      return (_Localiser(self.inside, self.data, self.at).jaxpr(jaxpr), consts, *rest)
+
+    return _lu.wrap_init(traced, debug_info=thunk.debug_info)
+
+  def value(self, v):
+    if isinstance(v, jex_core.ClosedJaxpr):
+      return self.closed(v)
+    if isinstance(v, jex_core.Jaxpr):
+      return self.jaxpr(v)
+    if isinstance(v, NamedSharding):
+      return self.sharding(v)
+    if isinstance(v, PartitionSpec):
+      return self.spec(v)
+    if isinstance(v, (_mesh_lib.Mesh, _mesh_lib.AbstractMesh)):
+      return self.mesh(v)
+    if isinstance(v, _core.ShapedArray):
+      return self.aval(v)
+    if type(v) in (tuple, list):  # not a NamedTuple (a PRNG implementation, a config): those are kept
+      return type(v)(self.value(x) for x in v)
+    return v

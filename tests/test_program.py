@@ -1,0 +1,358 @@
+"""The user's loss traced once and run as written (jaxaccum/_program.py): DESIGN.md guarantee 8, issue 31.
+
+Model code annotated for the global batch (`with_sharding_constraint` naming the data axis, Flax logical
+constraints, the cookbook's `out_sharding=`/`reshard`; tests/test_zoo.py and tests/test_grad.py hold the
+latter) runs exact on every mesh path, its annotations localised inside the per-device map; the docs'
+module-level `@jax.shard_map` tensor-parallel layer runs under every fsdp gather; the loss is traced once.
+Every case is one update in float64 against the plain full-batch step written with `jax.grad`.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import zoo.tp_layer as tp_layer
+from conftest import regression_data, smoke
+from flax import linen as nn
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from zoo.annotated_models import _tp_init, _tp_loss
+from zoo.flax_models import regression
+
+import jaxaccum as ja
+
+K, ROWS, LR = 2, 32, 0.3
+RUNS = {  # strategy -> (make_train_step kwargs, mesh shape, mesh names, data axis)
+  "ddp": ({"strategy": "ddp"}, (4, 2), ("data", "model"), "data"),
+  "zero1": ({"strategy": "zero1"}, (4, 2), ("data", "model"), "data"),
+  "fsdp": ({"strategy": "fsdp"}, (4, 2), ("data", "model"), "data"),
+  "fsdp_once": ({"strategy": "fsdp", "fsdp_gather": "once"}, (4, 2), ("data", "model"), "data"),
+  "hsdp": ({"strategy": "hsdp"}, (2, 2, 2), ("replica", "data", "model"), ("replica", "data")),
+}
+
+
+def two_layer(key, d_in=3, hidden=8, d_out=2):
+  k1, k2 = jax.random.split(key)
+  return {
+    "w1": jax.random.normal(k1, (d_in, hidden), jnp.float64) / 2,
+    "b1": jnp.full((hidden,), 0.1, jnp.float64),
+    "w2": jax.random.normal(k2, (hidden, d_out), jnp.float64) / 3,
+    "b2": jnp.full((d_out,), 0.1, jnp.float64),
+  }
+
+
+def mse(pred, y):
+  return jnp.mean(jnp.sum((pred - y) ** 2, -1))
+
+
+def wsc_loss(mesh):
+  """Activations constrained with a NamedSharding on the user's mesh, the global batch's layout."""
+
+  def loss(params, batch):
+    x, y = batch
+    h = jax.lax.with_sharding_constraint(x @ params["w1"] + params["b1"], NamedSharding(mesh, P("data", "model")))
+    h = jax.lax.with_sharding_constraint(jnp.tanh(h), NamedSharding(mesh, P("data", "model")))
+    return mse(h @ params["w2"] + params["b2"], y)
+
+  return loss
+
+
+class LogicalMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.with_logical_constraint(nn.Dense(8, param_dtype=jnp.float64)(x), ("batch", "mlp"))
+    return nn.Dense(2, param_dtype=jnp.float64)(nn.with_logical_constraint(jnp.tanh(h), ("batch", "mlp")))
+
+
+RULES = (("batch", "data"), ("mlp", "model"))
+
+
+def logical_loss(params, batch):
+  with nn.logical_axis_rules(RULES):
+    return mse(LogicalMLP().apply({"params": params}, batch[0]), batch[1])
+
+
+def make_mesh(shape, names, kind=AxisType.Auto):
+  return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape))
+
+
+def one_step(loss, params, batch, mesh, axis, **kwargs):
+  """make_train_step's parameters after one SGD update."""
+  opt = optax.sgd(LR)
+  step = ja.make_train_step(loss, opt, num_microbatches=K, mesh=mesh, data_axis=axis, donate=False, **kwargs)
+  with jax.set_mesh(mesh):
+    p, s = ja.shard_train_state(params, opt, mesh, strategy=kwargs["strategy"], data_axis=axis)
+    new_p, _, metrics = step(p, s, ja.shard_batch(batch, mesh, axis))
+  assert bool(metrics["applied"])
+  return jax.device_get(new_p)
+
+
+def plain_step(loss, params, batch, mesh):
+  """The plain full-batch SGD step, the annotations as written, under the user's own jit on the same mesh."""
+  with jax.set_mesh(mesh):
+    g = jax.jit(jax.grad(loss))(params, batch)
+  return jax.tree.map(lambda p, g: p - LR * g, params, jax.device_get(g))
+
+
+@pytest.mark.parametrize("strategy", smoke(list(RUNS), {"ddp", "fsdp"}))
+def test_with_sharding_constraint_naming_the_data_axis_runs_exact(strategy):
+  """Once JAX's raw 'can only refer to Auto axes of the mesh' from inside every strategy."""
+  kwargs, shape, names, axis = RUNS[strategy]
+  mesh = make_mesh(shape, names)
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  got = one_step(wsc_loss(mesh), params, batch, mesh, axis, **kwargs)
+  chex.assert_trees_all_close(got, plain_step(wsc_loss(mesh), params, batch, mesh), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", smoke(list(RUNS), {"zero1"}))
+def test_flax_logical_constraints_under_rules_mapping_to_the_data_axis_run_exact(strategy):
+  kwargs, shape, names, axis = RUNS[strategy]
+  mesh = make_mesh(shape, names)
+  x, y = regression_data(jax.random.PRNGKey(1), ROWS)
+  params = LogicalMLP().init(jax.random.PRNGKey(0), x[:2])["params"]
+  got = one_step(logical_loss, params, (x, y), mesh, axis, **kwargs)
+  chex.assert_trees_all_close(got, plain_step(logical_loss, params, (x, y), mesh), rtol=1e-10, atol=1e-12)
+
+
+def test_annotations_add_no_collective_and_the_gradient_is_reduced_once_per_update():
+  """HLO-counted (with loop trip counts): ddp's one all-reduce per update, whatever K, annotated or not."""
+  mesh = make_mesh((8,), ("data",))
+  x, y = regression_data(jax.random.PRNGKey(1), 64)
+  params = two_layer(jax.random.PRNGKey(0))
+
+  def annotated(params, batch):
+    h = jnp.tanh(batch[0] @ params["w1"] + params["b1"])
+    h = jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P("data", None)))
+    return mse(h @ params["w2"] + params["b2"], batch[1])
+
+  def plain(params, batch):
+    return mse(jnp.tanh(batch[0] @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"], batch[1])
+
+  def counts(loss, k):
+    opt = optax.sgd(LR)
+    step = ja.make_train_step(loss, opt, num_microbatches=k, mesh=mesh, donate=False)
+    p, s = ja.shard_train_state(params, opt, mesh)
+    return ja.count_collectives(step.lower(p, s, ja.shard_batch((x, y), mesh)).compile(), branches="none")
+
+  assert counts(annotated, 2) == counts(plain, 2) == counts(annotated, 4)
+  assert counts(annotated, 4)["all-reduce"] == 1
+
+
+@pytest.mark.parametrize("gather", ["per_microbatch", "once", None], ids=["fsdp", "fsdp_once", "ddp"])
+def test_the_docs_module_level_shard_map_layer_runs_exact_on_an_auto_mesh(gather):
+  """The JAX docs' gemm_tp, a module-level @jax.shard_map without mesh= (its wrapper keeps the mesh of its first
+  call). Once JAX's 'The context mesh ... should match the mesh passed to shard_map' in every gather mode: the
+  step's shard_map refusal traced the loss a second time, under another mesh."""
+  importlib.reload(tp_layer)  # a fresh module: the layer not yet bound to any mesh
+  mesh = make_mesh((4, 2), ("data", "model"))
+  params, batch = _tp_init(jax.random.PRNGKey(0)), regression(jax.random.PRNGKey(1), ROWS, d_in=4)
+  kwargs = {"strategy": "ddp"} if gather is None else {"strategy": "fsdp", "fsdp_gather": gather}
+  got = one_step(_tp_loss, params, batch, mesh, "data", **kwargs)
+  # The layer is now bound to the step's mesh, as after a user's own first call under it: the plain step runs.
+  chex.assert_trees_all_close(got, plain_step(_tp_loss, params, batch, mesh), rtol=1e-10, atol=1e-12)
+
+
+def test_the_docs_module_level_shard_map_layer_on_an_explicit_mesh_is_refused_as_jax_refuses_it():
+  """On Explicit axes (jax.make_mesh's default) JAX itself cannot run gemm_tp on a batch split over the data axis
+  (its in_specs must equal the input's type): shown without jaxaccum, then jaxaccum's refusal by name."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  params, batch = _tp_init(jax.random.PRNGKey(0)), regression(jax.random.PRNGKey(1), ROWS, d_in=4)
+  importlib.reload(tp_layer)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"in_specs passed to shard_map: .* does not match"):
+    jax.jit(jax.grad(_tp_loss))(jax.device_put(params, P()), jax.device_put(batch, P("data")))
+  importlib.reload(tp_layer)
+  with pytest.raises(ValueError, match=r"make_train_step: loss_fn applies a jax.shard_map manual over every mesh axis"):
+    one_step(_tp_loss, params, batch, mesh, "data", strategy="fsdp")
+
+
+def test_the_docs_shard_mapped_loss_is_refused_by_name():
+  """The docs' loss_fsdp style: a module-level @jax.shard_map over the data axis with pmean inside (its in_specs
+  inferred from the Explicit mesh); once JAX's raw mesh-mismatch error."""
+
+  @jax.shard_map(out_specs=P())
+  def loss_dp(params, local_batch):
+    return jax.lax.pmean(mse(jnp.tanh(local_batch[0] @ params["w1"]) @ params["w2"], local_batch[1]), "data")
+
+  mesh = jax.make_mesh((8,), ("data",))
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  with pytest.raises(ValueError, match=r"loss_fn calls jax.shard_map over the data axis 'data' itself"):
+    one_step(loss_dp, params, batch, mesh, "data", strategy="fsdp")
+
+
+def test_the_docs_shard_mapped_loss_called_first_by_the_user_is_refused_by_name():
+  """As the docs run it: jax.jit(loss_dp) first (binding the wrapper to the mesh), then make_train_step.
+  Once JAX's raw 'The context mesh ... should match the mesh passed to shard_map'."""
+
+  @jax.shard_map(out_specs=P())
+  def loss_dp(params, local_batch):
+    return jax.lax.pmean(mse(jnp.tanh(local_batch[0] @ params["w1"]) @ params["w2"], local_batch[1]), "data")
+
+  mesh = jax.make_mesh((8,), ("data",))
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  with jax.set_mesh(mesh):
+    jax.jit(loss_dp)(jax.device_put(params, P()), jax.device_put(batch, P("data")))
+  with pytest.raises(ValueError, match=r"module-level @jax.shard_map .*hand-written data-parallel loss"):
+    one_step(loss_dp, params, batch, mesh, "data", strategy="ddp")
+
+
+@pytest.mark.parametrize("strategy", smoke(["ddp", "fsdp", "fsdp_once"], {"fsdp"}))
+def test_the_loss_is_traced_once(strategy):
+  """No check traces the user's code a second time (each trace is a Python call of the loss)."""
+  kwargs, shape, names, axis = RUNS[strategy]
+  mesh = make_mesh(shape, names)
+  calls = []
+
+  def loss(params, batch):
+    calls.append(1)
+    return wsc_loss(mesh)(params, batch)
+
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  opt = optax.sgd(LR)
+  step = ja.make_train_step(loss, opt, num_microbatches=K, mesh=mesh, data_axis=axis, donate=False, **kwargs)
+  p, s = ja.shard_train_state(params, opt, mesh, strategy=kwargs["strategy"], data_axis=axis)
+  step.lower(p, s, ja.shard_batch(batch, mesh, axis))
+  assert len(calls) == 1
+
+
+def test_jax_refuses_a_manual_axis_in_an_annotation_without_jaxaccum():
+  """Why the zoo's annotated models are n/a in a user's own shard_map: JAX's own refusal, no jaxaccum involved."""
+  mesh = make_mesh((8,), ("data",))
+  body = lambda x: jax.lax.with_sharding_constraint(x * 2, P("data"))
+  f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+  with pytest.raises(ValueError, match="can only refer to Auto axes"):
+    jax.jit(f)(jnp.ones((16,)))
+
+
+@pytest.mark.parametrize("mode", ["ema", "batch"])
+def test_equinox_batchnorm_runs_on_a_mesh(mode):
+  """Once equinox's 'Old and new values ... bool[]' (ema) and a jax assertion (batch) from inside the step."""
+  import equinox as eqx
+  from test_train_step import check_state_step, drifting_data
+
+  class Net(eqx.Module):
+    dense0: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    dense1: eqx.nn.Linear
+
+    def __init__(self, key):
+      k0, k1 = jax.random.split(key)
+      self.dense0 = eqx.nn.Linear(3, 4, key=k0, dtype=jnp.float64)
+      self.bn = eqx.nn.BatchNorm(4, axis_name="batch", momentum=0.9, mode=mode, dtype=jnp.float64)
+      self.dense1 = eqx.nn.Linear(4, 1, key=k1, dtype=jnp.float64)
+
+    def __call__(self, x, state):
+      h, state = self.bn(self.dense0(x), state)
+      return self.dense1(jnp.tanh(h)), state
+
+  model, state = eqx.nn.make_with_state(Net)(jax.random.PRNGKey(0))
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+
+  def loss_fn(params, state, batch):
+    pred, state = jax.vmap(eqx.combine(params, static), axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+      batch[0], state
+    )
+    return jnp.mean((pred - batch[1]) ** 2), state
+
+  reductions = jax.tree.map(lambda s: "mean" if jnp.issubdtype(s.dtype, jnp.inexact) else "last", state)
+  new = check_state_step(loss_fn, params, state, drifting_data(), reductions, 4, 2)
+  assert not np.allclose(jax.tree.leaves(new)[0], jax.tree.leaves(state)[0])
+
+
+def _annotated(x):
+  return jax.lax.with_sharding_constraint(x, P("data", None))
+
+
+@jax.custom_vjp
+def _dense_fwd_annotated(x, w):
+  return _annotated(x @ w)
+
+
+_dense_fwd_annotated.defvjp(lambda x, w: (_annotated(x @ w), (x, w)), lambda res, g: (g @ res[1].T, res[0].T @ g))
+
+
+@jax.custom_vjp
+def _dense_bwd_annotated(x, w):
+  return x @ w
+
+
+_dense_bwd_annotated.defvjp(lambda x, w: (x @ w, (x, w)), lambda res, g: (_annotated(g @ res[1].T), res[0].T @ g))
+
+
+@pytest.mark.parametrize("strategy", smoke(["ddp", "fsdp"], {"fsdp"}))
+def test_annotations_in_a_custom_vjp_forward_rule_are_localised_and_in_its_bwd_refused_by_name(strategy):
+  """JAX traces a custom_vjp's fwd only when it differentiates: traced under the loss's trace mesh and localised.
+  Its bwd is traced on the cotangents inside the per-device map, where the data axis is manual: refused by name.
+  Both were JAX's raw 'can only refer to Auto axes of the mesh'."""
+  mesh = make_mesh((8,), ("data",))
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  fwd = lambda p, b: mse(jnp.tanh(_dense_fwd_annotated(b[0], p["w1"])) @ p["w2"], b[1])
+  got = one_step(fwd, params, batch, mesh, "data", strategy=strategy)
+  chex.assert_trees_all_close(got, plain_step(fwd, params, batch, mesh), rtol=1e-10, atol=1e-12)
+  bwd = lambda p, b: mse(jnp.tanh(_dense_bwd_annotated(b[0], p["w1"])) @ p["w2"], b[1])
+  with pytest.raises(ValueError, match=r"make_train_step: the loss annotates .*a jax.custom_vjp's bwd"):
+    one_step(bwd, params, batch, mesh, "data", strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_custom_jvp_rule_is_traced_on_the_loss_mesh_and_localised(strategy):
+  """jax.nn.relu's jvp (a custom_jvp whose rule makes `full_like(g, 0)`) is traced when JAX differentiates, on
+  the avals of the loss's one trace: once 'Context mesh ... should match the mesh of sharding ... passed to
+  broadcast_in_dim' from inside the step (the docs' Flax ResNet port, examples/flax_resnet_sharded.py)."""
+  mesh = make_mesh((8,), ("data",))
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  loss = lambda p, b: mse(jax.nn.relu(b[0] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"], b[1])
+  got = one_step(loss, params, batch, mesh, "data", strategy=strategy)
+  chex.assert_trees_all_close(got, plain_step(loss, params, batch, mesh), rtol=1e-10, atol=1e-12)
+
+
+def cookbook_model_axis_loss(params, batch):
+  """The cookbook's style on an Explicit (data, model) mesh: out_sharding and reshard naming both axes."""
+  x, y = batch
+  h = jnp.tanh(jnp.einsum("bf,fh->bh", x, params["w1"], out_sharding=P("data", "model")) + params["b1"])
+  h = jax.sharding.reshard(h, P("data", None))
+  return mse(jnp.einsum("bh,ho->bo", h, params["w2"], out_sharding=P("data", None)) + params["b2"], y)
+
+
+@pytest.mark.parametrize("strategy", smoke(list(RUNS), {"fsdp"}))
+def test_explicit_annotations_with_a_model_axis_run_exact(strategy):
+  """Parameters sharded over an Explicit "model" axis, activations annotated over ("data", "model")."""
+  kwargs, shape, names, axis = RUNS[strategy]
+  mesh = make_mesh(shape, names, AxisType.Explicit)
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  specs = {"w1": P(None, "model"), "b1": P("model"), "w2": P(), "b2": P()}
+  place = lambda: jax.tree.map(lambda x, s: jax.device_put(x, s), params, specs)
+  # The reference on a (data, model) mesh: in plain JAX the model's P("data") meets hsdp's batch typed
+  # P(("replica", "data")) in a subtraction and fails; the step, per device, holds the rows either way.
+  plain = make_mesh((4, 2), ("data", "model"), AxisType.Explicit)
+  with jax.set_mesh(plain):
+    g = jax.jit(jax.grad(cookbook_model_axis_loss))(place(), jax.device_put(batch, P("data")))
+  want = jax.tree.map(lambda p, g: p - LR * g, params, jax.device_get(g))
+  with jax.set_mesh(mesh):
+    placed = place()
+  chex.assert_trees_all_close(
+    one_step(cookbook_model_axis_loss, placed, batch, mesh, axis, **kwargs), want, rtol=1e-10, atol=1e-12
+  )
+
+
+def test_a_step_traced_inside_a_callers_shard_map_runs():
+  """ja.diloco_train_step runs the step inside its own shard_map over "replica": the loss is traced there, and
+  its scalar literals carry that mesh in their types (an embedding lookup's index check). Once 'For primitive
+  lt, context mesh ... should match the aval mesh' (the bench's text LM)."""
+  from jaxaccum import slowlink
+
+  def loss(params, tokens):
+    return jnp.mean((params["embed"][tokens[:, :-1]] @ params["w"] - tokens[:, 1:]) ** 2)
+
+  params = {"embed": jnp.ones((5, 4)), "w": jnp.ones((4,))}
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(4, 1), ("replica", "data"))
+  base = ja.make_train_step(loss, optax.sgd(0.1), mesh=mesh, strategy="ddp")
+  step = slowlink.diloco_train_step(base, optax.sgd(0.7), 2)
+  p, s = step.init(params)
+  p, s, metrics = step(p, s, jnp.zeros((8, 6), jnp.int32))
+  assert np.all(np.isfinite(np.asarray(metrics["loss"])))
