@@ -175,3 +175,31 @@ def test_diloco_wrapper_port_equals_a_plain_loop_over_replicas():
     assert all(float(d) < 1e-12 for d in ds), f"{strategy}:\n{out}"
   held = dict(re.findall(r"(initial|ddp|DiLoCo anchor|streaming anchor) (\d+\.\d+)", out.split("held-out loss:")[-1]))
   assert len(held) == 4 and all(float(v) < float(held["initial"]) for k, v in held.items() if k != "initial"), out
+
+
+def test_port_maxtext_layer_equals_the_plain_full_batch_step():
+  """examples/port_maxtext_layer.py: a MaxText decoder reduced to CPU size, its logical annotations active on an Auto
+  (data=4, model=2) mesh, through make_train_step ddp and fsdp (both gather modes) and an own jit step (shard_map +
+  ja.accumulate(axis_name="data")), equals jax.value_and_grad + adam on the whole batch on one device (float64, two
+  updates); ddp reduces the gradient over "data" once per step for K in 1, 2, 4 (HLO, per mesh axis)."""
+  out = _run_once("port_maxtext_layer", ["--x64"])
+  diffs = re.findall(r"^(\(.+?)\s*: params rel diff (\S+), loss rel diff (\S+), (\d+) constraints", out, re.M)
+  assert len(diffs) == 5, out
+  for name, dp, dl, n in diffs:
+    assert float(dp) <= 1e-10 and float(dl) <= 1e-10, f"{name}: {dp}, {dl}\n{out}"
+    assert int(n) > 0, f"{name}: no sharding constraint naming 'model' left: the annotations were not active\n{out}"
+  for k in (1, 2, 4):
+    assert f"ddp K={k}: over 'data' {{'all-reduce': 1}}," in out, out
+  moved = float(re.search(r"moved a parameter by up to (\S+)\)", out).group(1))
+  assert moved > 1e-3, out
+  assert re.search(r"^OK: worst rel diff", out, re.M), out
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="jax.nn.relu's custom_jvp under make_train_step on a mesh: JAX's 'Context "
+  "mesh ... should match the mesh of sharding ... passed to broadcast_in_dim' (port31 report)",
+)
+def test_port_maxtext_layer_with_relu():
+  """The same port with MaxText's mlp_activations=("relu",): jax.nn.relu's jvp rule (a custom_jvp) in the loss."""
+  _run_once("port_maxtext_layer", ["--x64", "--activation", "relu", "--no-explicit"])
