@@ -114,15 +114,19 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), entry: str = "make_tra
   data_axes = tuple(data_axes)
   at = trace_mesh(mesh, data_axes)
   explicit = any(t == AxisType.Explicit for t in at.axis_types)
+  rows, single = data_axes[0], len(data_axes) == 1
 
   def aval(x, batch):
     x = x if hasattr(x, "dtype") else jax.numpy.asarray(x)  # a Python scalar in the state, say
     shape, dtype = np.shape(x), x.dtype
     if not explicit:
       return jax.ShapeDtypeStruct(shape, dtype)
-    # The rows are typed unsharded: on size-1 data axes that is the same layout, and an annotation naming one
-    # data axis (P("data")) then meets a batch split over several (hsdp's ("replica", "data")) without conflict.
-    spec = PartitionSpec() if batch else _typed_spec(x, data_axes)
+    # One data axis: the rows are typed as the step lays them out (split over it on their leading dimension,
+    # here of size 1), so an annotation asserting that layout (Explicit-mesh `with_sharding_constraint(h,
+    # P("data", ...))`, which JAX checks against the type) holds as in the user's own jit. Several (hsdp's
+    # ("replica", "data")): typed unsharded, the same layout on size-1 axes, so that a model annotated for one
+    # data axis (reshard to P("data")) meets its rows without a type conflict.
+    spec = (PartitionSpec(rows) if single and len(shape) else PartitionSpec()) if batch else _typed_spec(x, data_axes)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(at, spec))
 
   avals = tuple(jax.tree.map(lambda x, b=i in batch_argnums: aval(x, b), a) for i, a in enumerate(args))

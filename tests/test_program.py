@@ -356,3 +356,28 @@ def test_a_step_traced_inside_a_callers_shard_map_runs():
   p, s = step.init(params)
   p, s, metrics = step(p, s, jnp.zeros((8, 6), jnp.int32))
   assert np.all(np.isfinite(np.asarray(metrics["loss"])))
+
+
+def wsc_assert_loss(params, batch):
+  """On an Explicit mesh `with_sharding_constraint` asserts the type: the rows split over "data", as in plain jit."""
+  x, y = batch
+  h = jax.lax.with_sharding_constraint(jnp.tanh(x @ params["w1"] + params["b1"]), P("data", None))
+  return mse(h @ params["w2"] + params["b2"], y)
+
+
+@pytest.mark.parametrize("strategy", smoke(["ddp", "fsdp", "zero1"], {"fsdp"}))
+def test_an_explicit_mesh_assert_of_the_rows_layout_holds_as_in_plain_jit(strategy):
+  """Port31's report: "The array sharding: P(None, None) did not match the sharding provided: P('data', None)".
+
+  The trace typed one device's rows unsharded; they are typed over the (size-1) data axis now, as the step
+  lays them out, so the assert the user's own jit passes passes in the trace too.
+  """
+  kwargs, shape, names, axis = RUNS[strategy]
+  mesh = make_mesh(shape, names, AxisType.Explicit)
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  got = one_step(wsc_assert_loss, params, batch, mesh, axis, **kwargs)
+  with jax.set_mesh(mesh):
+    placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    g = jax.device_get(jax.jit(jax.grad(wsc_assert_loss))(jax.device_put(params, NamedSharding(mesh, P())), placed))
+  want = jax.tree.map(lambda p, g: p - LR * g, params, g)
+  chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-12)
