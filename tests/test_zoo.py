@@ -411,6 +411,7 @@ SMOKE = {
   ("wsc_auto", "step hsdp"),  # with_sharding_constraint on (replica, data, model), Auto
   ("shard_map_tp_module", "step fsdp once"),  # the module-level @jax.shard_map layer
   ("custom_vjp_layer", "accumulate own jit"),  # a custom_vjp's bwd checked on the localised avals (Explicit)
+  ("numpy_pos_table", "step hsdp"),  # a NumPy constant beside a parameter, layerwise replay (was pos + pos)
 }
 
 

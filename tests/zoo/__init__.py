@@ -67,6 +67,12 @@ class Model:
 
 def models() -> list[Model]:
   """Every model of the zoo, in the matrix's row order."""
-  from zoo import annotated_models, eqx_models, flax_models, jax_models
+  from zoo import annotated_models, constant_models, eqx_models, flax_models, jax_models
 
-  return [*flax_models.MODELS, *eqx_models.MODELS, *jax_models.MODELS, *annotated_models.MODELS]
+  return [
+    *flax_models.MODELS,
+    *eqx_models.MODELS,
+    *jax_models.MODELS,
+    *annotated_models.MODELS,
+    *constant_models.MODELS,
+  ]
