@@ -513,7 +513,7 @@ def _eval(ctx, jaxpr, consts, args) -> list:
       # yet). The step keeps the constants it read; the value's own positions are holes.
       (lz,) = lazy
       args = tuple(_HOLE if x is lz else x for x in invals)
-      outs = [lz._replace(chain=lz.chain + (_Step(eqn, args),))]
+      outs = [lz._replace(chain=lz.chain + (_Step(eqn, args),))]  # type: ignore[list-item]
     elif name in _INLINE:
       closed = eqn.params[_INLINE[name]]
       if isinstance(closed, jcore.ClosedJaxpr):

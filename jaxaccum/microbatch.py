@@ -411,7 +411,7 @@ def default_reductions(like, unsplit):
     if _signature(tree) in signatures:
       return jax.tree.map(lambda _: "mean", tree)
     children, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)
-    if treedef.num_leaves == 1 and len(children) == 1 and children[0] is tree:
+    if treedef.num_leaves == 1 and len(children) == 1 and children[0] is tree:  # type: ignore[attr-defined]
       return PER_ROW
     return jax.tree_util.tree_unflatten(treedef, [walk(c) for c in children])
 

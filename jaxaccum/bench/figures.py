@@ -240,7 +240,7 @@ def merge(store: dict[str, dict], new: dict[str, dict]) -> dict[str, dict]:
 
 
 def save(results: dict[str, dict], path: str | pathlib.Path) -> None:
-  latest = max((r["header"] for r in results.values()), key=lambda h: (h["date"], h.get("time", "")), default={})
+  latest: dict = max((r["header"] for r in results.values()), key=lambda h: (h["date"], h.get("time", "")), default={})
   report = {"header": latest, "sections": list(results.values())}
   pathlib.Path(path).write_text(json.dumps(report, indent=1, default=float) + "\n")
 

@@ -447,13 +447,15 @@ def fallback_table(width: int = 16, depth: int = 8) -> list[dict]:
 
   rows = []
   for name, loss, params, dims, extra in _fallback_models(width, depth):
-    axes, shape = ("data",), (8,)
+    axes: tuple = ("data",)
+    shape: tuple = (8,)
     if extra is not None:  # the nested map's axis first (Shardy wants it before the outer one)
       axes, shape = (extra[0], "data"), (extra[1], 8 // extra[1])
     mesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes))
     n = mesh.shape["data"]
     flat, treedef = jax.tree.flatten(params)
-    specs = treedef.unflatten([PartitionSpec() if d is None else PartitionSpec(*[None] * d, "data") for d in dims])
+    leaf_specs = [PartitionSpec() if d is None else PartitionSpec(*[None] * d, "data") for d in dims]
+    specs = jax.tree.unflatten(treedef, leaf_specs)
     grad = jax.grad(layerwise(loss, dims, "data", n))
     fn = jax.shard_map(
       grad,
