@@ -229,41 +229,6 @@ def test_jax_refuses_a_manual_axis_in_an_annotation_without_jaxaccum():
     jax.jit(f)(jnp.ones((16,)))
 
 
-@pytest.mark.parametrize("mode", ["ema", "batch"])
-def test_equinox_batchnorm_runs_on_a_mesh(mode):
-  """Once equinox's 'Old and new values ... bool[]' (ema) and a jax assertion (batch) from inside the step."""
-  import equinox as eqx
-  from test_train_step import check_state_step, drifting_data
-
-  class Net(eqx.Module):
-    dense0: eqx.nn.Linear
-    bn: eqx.nn.BatchNorm
-    dense1: eqx.nn.Linear
-
-    def __init__(self, key):
-      k0, k1 = jax.random.split(key)
-      self.dense0 = eqx.nn.Linear(3, 4, key=k0, dtype=jnp.float64)
-      self.bn = eqx.nn.BatchNorm(4, axis_name="batch", momentum=0.9, mode=mode, dtype=jnp.float64)
-      self.dense1 = eqx.nn.Linear(4, 1, key=k1, dtype=jnp.float64)
-
-    def __call__(self, x, state):
-      h, state = self.bn(self.dense0(x), state)
-      return self.dense1(jnp.tanh(h)), state
-
-  model, state = eqx.nn.make_with_state(Net)(jax.random.PRNGKey(0))
-  params, static = eqx.partition(model, eqx.is_inexact_array)
-
-  def loss_fn(params, state, batch):
-    pred, state = jax.vmap(eqx.combine(params, static), axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
-      batch[0], state
-    )
-    return jnp.mean((pred - batch[1]) ** 2), state
-
-  reductions = jax.tree.map(lambda s: "mean" if jnp.issubdtype(s.dtype, jnp.inexact) else "last", state)
-  new = check_state_step(loss_fn, params, state, drifting_data(), reductions, 4, 2)
-  assert not np.allclose(jax.tree.leaves(new)[0], jax.tree.leaves(state)[0])
-
-
 def _annotated(x):
   return jax.lax.with_sharding_constraint(x, P("data", None))
 
