@@ -30,6 +30,8 @@ such code cannot be traced inside the map. It can be traced outside it:
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 
@@ -254,7 +256,8 @@ def explain_trace_error(e: Exception, mesh, data_axes, entry: str) -> Exception 
   """
   text = str(e)
   if "shard_map" in text and "evenly divisible" in text:
-    named = [a for a in data_axes if f"to mesh axis {a!r}" in text or f"mesh axis {a!r}" in text]
+    # JAX names one axis ("to mesh axis 'data'") or a tuple of them ("to mesh axes ('rep', 'shard')", hsdp).
+    named = [a for a in data_axes if f"mesh axis {a!r}" in text or re.search(rf"mesh axes \([^)]*{a!r}", text)]
     if named:
       return shard_map_refusal(named[0], entry)
   if "in_specs passed to shard_map" in text and "does not match the specs of the input" in text:
