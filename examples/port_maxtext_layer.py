@@ -234,9 +234,8 @@ def constraints(lowered):
   return sum(1 for line in text.splitlines() if "sharding_constraint" in line and '"model"' in line)
 
 
-def reference(loss_fn, params, batches, opt):
-  """The plain step: jax.value_and_grad + optax on the whole batch, plain jit, one device, no mesh."""
-  opt_state = opt.init(params)
+def plain_step(loss_fn, opt):
+  """The plain full-batch step, written as the user would: jax.value_and_grad + optax under jax.jit."""
 
   @jax.jit
   def step(params, opt_state, batch):
@@ -244,6 +243,12 @@ def reference(loss_fn, params, batches, opt):
     updates, opt_state = opt.update(g, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
+  return step
+
+
+def reference(loss_fn, params, batches, opt):
+  """The plain step on the whole batch, plain jit, one device, no mesh."""
+  opt_state, step = opt.init(params), plain_step(loss_fn, opt)
   losses = []
   for batch in batches:
     params, opt_state, loss = step(params, opt_state, batch)
@@ -255,14 +260,7 @@ def plain_on_mesh(loss_fn, params, specs, batches, opt, mesh):
   """(0) The same plain jit step on the mesh, under `jax.set_mesh`: here the annotations are active."""
   with jax.set_mesh(mesh):
     params = place(params, specs, mesh)
-    opt_state = opt.init(params)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-      loss, g = jax.value_and_grad(loss_fn)(params, batch)
-      updates, opt_state = opt.update(g, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
-
+    opt_state, step = opt.init(params), plain_step(loss_fn, opt)
     rows = NamedSharding(mesh, P("data"))
     first = jax.device_put(batches[0], rows)
     n = constraints(step.lower(params, opt_state, first))

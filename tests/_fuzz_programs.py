@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from zoo.jax_models import linear as _linear  # the zoo's custom_vjp linear (a hand-written bwd)
 
 D = 8  # the activations' width and every weight's side
 DEPTH = 3  # stacked layers
@@ -37,23 +38,6 @@ class Program(NamedTuple):
   dims: dict  # leaf name -> the dimension sharded over the 8 devices, or None (replicated)
   apply: Callable[[dict, Any], Any]  # apply(params, x (rows, D)) -> (rows, D)
   ops: tuple  # what it does, one string per step
-
-
-@jax.custom_vjp
-def _linear(x, w):
-  return x @ w
-
-
-def _linear_fwd(x, w):
-  return x @ w, (x, w)
-
-
-def _linear_bwd(res, ct):
-  x, w = res
-  return ct @ w.T, x.T @ ct
-
-
-_linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 class _Gen:
