@@ -257,7 +257,7 @@ def _time(quick: bool = False) -> dict:
       "`apply_updates`; '+ cond' runs the update inside the micro-step under a `lax.cond` on the window's end "
       "(one jitted function, as accumulate): what a cond per call costs. Targets (at B=8): accumulate <= 0.70x "
       "MultiSteps and <= 1.05x the plain-API floor, the own-jit recipe <= 1.10x the add-only floor; a verdict is "
-      '"within noise" when the interquartile range straddles the bound.',
+      '"within noise" when the min-max range of its rounds straddles the bound.',
       "",
       "| case | method | ms / window | vs MultiSteps | vs plain-API floor | vs add-only | target |",
       "|---|---|---:|---:|---:|---:|---|",

@@ -283,7 +283,7 @@ MARKDOWN_PAGES = ("README.md", "docs/*.md", "docs/guides/*.md")
 _FIGURE = re.compile(r"(?<![\w.])[-+]?\d+\.\d+\s?(?:x|%|ms|MiB)(?!\w)")
 _BOUND_BEFORE = re.compile(r"(?:<=|>=|<|>|≤|≥|~|≈|&lt;=|&lt;|&gt;)\s*$")
 # Phrases that compare a measurement with its target: they must come from a region (a verdict cell), where
-# the bench decides them from the spread ("within noise" when the interquartile range straddles the bound).
+# the bench decides them from the spread ("within noise" when the min-max range of its rounds straddles the bound).
 # "within noise" counts in a sentence that names a target (elsewhere it may compare two rows of a table).
 _VERDICT = re.compile(
   r"\b(?:not met|(?:is|are|was|were|be) met|met only|targets? (?:is |are )?met|"

@@ -108,7 +108,7 @@ def run(quick: bool = False) -> list[dict]:
     [
       f"MLP {depth} x {width}, adam, float32, K={k}, B={micro_batch}; time per window of K jitted, donated "
       "`apply_gradients` steps (gradient included). Targets: ja.flax.TrainState <= 0.55x MultiSteps, and within 10% "
-      'of the add-only floor; a verdict is "within noise" when the interquartile range straddles the bound.',
+      'of the add-only floor; a verdict is "within noise" when the min-max range of its rounds straddles the bound.',
       "",
       "| method | ms / window | vs MultiSteps | vs add-only | target |",
       "|---|---:|---:|---:|---|",

@@ -130,7 +130,7 @@ def _overhead(quick: bool):
     f"MLP {depth} x {width} ({sum(x.size for x in jax.tree.leaves(params)):,} parameters), adam, float32; time per "
     "window of K micro-steps through the plain update API, jitted and donated, against accumulate alone: wall time, "
     "and this process's CPU time (all its threads). Target: <= 2% more wall time with the noise scale measured "
-    '(a verdict is "within noise" when the interquartile range straddles it).',
+    '(a verdict is "within noise" when the min-max range of its rounds straddles it).',
     "",
     "| case | variant | ms / window | wall overhead | CPU overhead | <= 2% |",
     "|---|---|---:|---:|---:|---|",

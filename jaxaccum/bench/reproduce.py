@@ -1,0 +1,144 @@
+"""`python -m jaxaccum.bench.reproduce RUN.json`: does a second bench run reproduce what the docs print?
+
+The docs print the figures of one run (the store, docs/bench_results.json).
+A second full run at another time, `python -m jaxaccum.bench --json RUN.json`,
+reproduces them when:
+
+- every deterministic figure is equal: compiled memory, collective counts,
+  HLO bytes, the stdlib LM's losses (every cell of a result that times
+  nothing, its prose included, and the cells of a timed result that are not
+  timings);
+- every timing ratio's median lies inside the range the docs print beside it:
+  a cell `0.55x [0.51, 0.60]` (or `+1.2% [-0.3, +2.5]`, or a ratio in prose)
+  is reproduced when the second run's median is within [0.51, 0.60], the
+  min-max of the first run's rounds (`common.ratio_cell`).
+
+Not compared: raw times (a column in ms: the machine's speed, not a ratio),
+verdicts (they follow the ranges; a flip is listed for the reader) and the
+prose of timed results around their ranges (round counts, load averages).
+Only results present in both are compared; the ids each side lacks are listed.
+Exits 1 on any figure not reproduced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from jaxaccum.bench import figures
+
+# A median with the range printed beside it: "0.55x [0.51, 0.60]", "+1.2% [-0.3, +2.5]", "1.2% [0.3%, 2.5%]".
+_RANGED = re.compile(r"([+-]?\d+(?:\.\d+)?)(x|%)? \[([+-]?\d+(?:\.\d+)?)%?x?, ([+-]?\d+(?:\.\d+)?)%?x?\]")
+_NUMBER = re.compile(r"[-+]?[\d.,]+")
+_VERDICTS = ("met", "not met", "within noise")
+_RAW_TIME = re.compile(r"\bms\b|\bseconds?\b")  # a column header of raw times
+
+
+def _timed(result: dict) -> bool:
+  """Whether a result times something (its data holds a `common.timed` result)."""
+  return "wall_rounds" in json.dumps(result.get("data", {}), default=str)
+
+
+def _is_verdict(cell: str) -> bool:
+  return any(v in cell for v in _VERDICTS)
+
+
+def _ranged(text: str) -> list[tuple[float, float, float]]:
+  return [(float(m.group(1)), float(m.group(3)), float(m.group(4))) for m in _RANGED.finditer(text)]
+
+
+def _prose(markdown: str) -> str:
+  """A result's markdown without its tables (the cells are compared one by one)."""
+  return "\n".join(line for line in markdown.splitlines() if not line.lstrip().startswith("|"))
+
+
+def compare_result(printed: dict, rerun: dict) -> tuple[dict, list[str], list[str]]:
+  """One result: ({"inside", "outside", "equal", "differ"}: counts, [not reproduced], [verdict flips])."""
+  counts = {"inside": 0, "outside": 0, "equal": 0, "differ": 0}
+  missed: list[str] = []
+  flips: list[str] = []
+  rid, timed = printed["id"], _timed(printed)
+
+  def ranges(where: str, have: str, got: str) -> None:
+    for (_, lo, hi), (median, _, _) in zip(_ranged(have), _ranged(got), strict=False):
+      if lo <= median <= hi:
+        counts["inside"] += 1
+      else:
+        counts["outside"] += 1
+        missed.append(f"{rid} {where}: printed {have!r}, rerun median {median:g} outside [{lo:g}, {hi:g}]")
+
+  def equal(where: str, have: str, got: str) -> None:
+    if have == got:
+      counts["equal"] += 1
+    else:
+      counts["differ"] += 1
+      missed.append(f"{rid} {where}: printed {have!r}, rerun {got!r}")
+
+  tables_a, tables_b = printed.get("tables", []), rerun.get("tables", [])
+  if len(tables_a) != len(tables_b):
+    missed.append(f"{rid}: {len(tables_a)} tables printed, {len(tables_b)} in the rerun")
+  for t, (ta, tb) in enumerate(zip(tables_a, tables_b, strict=False)):
+    if ta["columns"] != tb["columns"] or len(ta["rows"]) != len(tb["rows"]):
+      missed.append(f"{rid} table {t + 1}: columns or row count differ: {ta['columns']} vs {tb['columns']}")
+      continue
+    for ra, rb in zip(ta["rows"], tb["rows"], strict=True):
+      # A row is named by its first cell, and its second where that is a label (not a number).
+      two = len(ra) > 2 and not _RAW_TIME.search(ta["columns"][1]) and not _NUMBER.fullmatch(ra[1].strip())
+      label = f"{ra[0]} | {ra[1]}" if two else ra[0]
+      for col, a, b in zip(ta["columns"], ra, rb, strict=True):
+        where = f"[{label}] {col}"
+        if timed and _ranged(a):
+          ranges(where, a, b)
+        elif timed and _is_verdict(a):
+          if a != b:
+            flips.append(f"{rid} {where}: {a!r} -> {b!r}")
+        elif timed and _RAW_TIME.search(col):
+          continue
+        else:
+          equal(where, a, b)
+  prose_a, prose_b = _prose(printed.get("markdown", "")), _prose(rerun.get("markdown", ""))
+  if timed:
+    ranges("(prose)", prose_a, prose_b)
+  else:
+    equal("(prose)", prose_a, prose_b)
+  return counts, missed, flips
+
+
+def compare(printed: dict[str, dict], rerun: dict[str, dict]) -> tuple[dict, list[str], list[str], list[str]]:
+  """Every result in both: (summed counts, [not reproduced], [verdict flips], [ids only one side has])."""
+  total = {"inside": 0, "outside": 0, "equal": 0, "differ": 0}
+  missed, flips = [], []
+  for rid in sorted(set(printed) & set(rerun)):
+    counts, m, f = compare_result(printed[rid], rerun[rid])
+    total = {k: total[k] + counts[k] for k in total}
+    missed += m
+    flips += f
+  one_side = [f"only printed: {r}" for r in sorted(set(printed) - set(rerun))]
+  one_side += [f"only in the rerun: {r}" for r in sorted(set(rerun) - set(printed))]
+  return total, missed, flips, one_side
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m jaxaccum.bench.reproduce", description=__doc__.split("\n\n")[0])
+  parser.add_argument("run", help="a second run: `python -m jaxaccum.bench --json RUN.json`")
+  parser.add_argument("--store", default=str(figures.ROOT / figures.STORE), help="what the docs print (the store)")
+  args = parser.parse_args(argv)
+  total, missed, flips, one_side = compare(figures.load(args.store), figures.load(args.run))
+  for line in missed:
+    print("NOT REPRODUCED " + line)
+  for line in flips:
+    print("verdict flip " + line)
+  for line in one_side:
+    print(line)
+  print(
+    f"timing medians inside the printed range: {total['inside']} of {total['inside'] + total['outside']}; "
+    f"deterministic figures equal: {total['equal']} of {total['equal'] + total['differ']}; "
+    f"verdict flips: {len(flips)}"
+  )
+  return 1 if missed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,69 @@
+"""`python -m jaxaccum.bench.reproduce`: a second run against what the docs print."""
+
+import json
+
+from jaxaccum.bench import reproduce
+
+TIMED_DATA = {"timing": {"wall_rounds": {"a": [1.0]}, "baseline": "a"}}
+
+
+def _result(rid, rows, prose="", data=None, columns=("case", "ms / window", "vs base", "target")):
+  table = "\n".join(
+    ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + ["| " + " | ".join(r) + " |" for r in rows]
+  )
+  markdown = f"{prose}\n\n{table}\n"
+  return {"id": rid, "section": rid.split("/")[0], "title": rid, "markdown": markdown, "data": data or {}}
+
+
+def _report(path, results):
+  path.write_text(json.dumps({"header": {"date": "2026-11-26"}, "sections": results}))
+  return str(path)
+
+
+def test_a_median_inside_the_printed_range_reproduces_and_one_outside_does_not(tmp_path, capsys):
+  printed = _result(
+    "t/timed", [["B=8", "13.7", "0.44x [0.40, 0.60]", "met"]], "padding median 1.2% [0.3%, 2.5%]", TIMED_DATA
+  )
+  # Raw milliseconds and the verdict may change; the median must stay inside [0.40, 0.60].
+  inside = _result(
+    "t/timed", [["B=8", "20.1", "0.59x [0.55, 0.70]", "within noise"]], "padding median 2.5% [1.0%, 4.0%]", TIMED_DATA
+  )
+  outside = _result(
+    "t/timed", [["B=8", "13.7", "0.61x [0.58, 0.63]", "met"]], "padding median 1.2% [0.3%, 2.5%]", TIMED_DATA
+  )
+  store = _report(tmp_path / "store.json", [printed])
+  assert reproduce.main([_report(tmp_path / "in.json", [inside]), "--store", store]) == 0
+  out = capsys.readouterr().out
+  assert "inside the printed range: 2 of 2" in out and "verdict flip" in out
+  assert reproduce.main([_report(tmp_path / "out.json", [outside]), "--store", store]) == 1
+  out = capsys.readouterr().out
+  assert "NOT REPRODUCED t/timed [B=8] vs base" in out and "0.61 outside [0.4, 0.6]" in out
+  assert "inside the printed range: 1 of 2" in out
+
+
+def test_a_deterministic_figure_must_be_equal(tmp_path, capsys):
+  cols = ("strategy", "peak (MiB)", "all-reduces")
+  printed = _result("t/memory", [["fsdp", "32.05", "1"]], "MLP 4 x 1024.", columns=cols)
+  moved = _result("t/memory", [["fsdp", "32.06", "1"]], "MLP 4 x 1024.", columns=cols)
+  prose = _result("t/memory", [["fsdp", "32.05", "1"]], "MLP 4 x 2048.", columns=cols)
+  store = _report(tmp_path / "store.json", [printed])
+  assert reproduce.main([_report(tmp_path / "same.json", [printed]), "--store", store]) == 0
+  assert "deterministic figures equal: 4 of 4" in capsys.readouterr().out  # 3 cells and the prose
+  assert reproduce.main([_report(tmp_path / "moved.json", [moved]), "--store", store]) == 1
+  assert "t/memory [fsdp] peak (MiB): printed '32.05', rerun '32.06'" in capsys.readouterr().out
+  assert reproduce.main([_report(tmp_path / "prose.json", [prose]), "--store", store]) == 1
+  assert "(prose)" in capsys.readouterr().out
+  # A cell of a timed result that is not a timing (a memory column) is compared too.
+  timed = _result("t/timed", [["B=8", "13.7", "0.44x [0.40, 0.60]", "1.5"]], data=TIMED_DATA)
+  timed_moved = _result("t/timed", [["B=8", "13.7", "0.44x [0.40, 0.60]", "1.6"]], data=TIMED_DATA)
+  store = _report(tmp_path / "store2.json", [timed])
+  assert reproduce.main([_report(tmp_path / "t.json", [timed_moved]), "--store", store]) == 1
+  assert "printed '1.5', rerun '1.6'" in capsys.readouterr().out
+
+
+def test_results_only_one_side_has_are_listed_not_compared(tmp_path, capsys):
+  a = _result("t/a", [["x", "1", "2", "3"]])
+  b = _result("t/b", [["x", "1", "2", "3"]])
+  assert reproduce.main([_report(tmp_path / "run.json", [b]), "--store", _report(tmp_path / "s.json", [a])]) == 0
+  out = capsys.readouterr().out
+  assert "only printed: t/a" in out and "only in the rerun: t/b" in out
