@@ -95,9 +95,11 @@ def test_verdicts_say_within_noise_when_the_printed_range_straddles_the_target()
   q = lambda lo, median, hi: {"min": lo, "q1": median, "median": median, "q3": median, "max": hi}
   assert common.verdict(q(0.50, 0.55, 0.60), 0.70) == "met"
   assert common.verdict(q(0.72, 0.75, 0.80), 0.70) == "not met"
-  assert common.verdict(q(0.65, 0.69, 0.74), 0.70) == "within noise"  # the median alone would say met
+  assert common.verdict(q(0.65, 0.69, 0.74), 0.70) == "within noise, median under"  # the median alone: met
+  assert common.verdict(q(0.65, 0.72, 0.74), 0.70) == "within noise, median over"  # the median alone: not met
   # Quartiles inside the bound, the slowest round beyond it: the printed range straddles, so not "met".
-  assert common.verdict({"min": 0.60, "q1": 0.62, "median": 0.64, "q3": 0.66, "max": 0.75}, 0.70) == "within noise"
+  tail = {"min": 0.60, "q1": 0.62, "median": 0.64, "q3": 0.66, "max": 0.75}
+  assert common.verdict(tail, 0.70) == "within noise, median under"
   assert common.ratio_cell(q(0.53, 0.55, 0.57)) == "0.55x [0.53, 0.57]"
   assert common.ratio_cell(q(0.997, 1.012, 1.025), percent=True) == "+1.2% [-0.3, +2.5]"
 

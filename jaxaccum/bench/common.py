@@ -154,16 +154,19 @@ def ratio_cell(q: dict, percent: bool = False) -> str:
 
 
 def verdict(q: dict, target: float) -> str:
-  """A ratio against an upper bound `target`: "met", "not met", or "within noise" when its printed range straddles it.
+  """A ratio against an upper bound `target`, read from the range `ratio_cell` prints (min-max over the rounds).
 
-  The range is the one `ratio_cell` prints (min-max over the rounds), so a
-  verdict never contradicts the cell beside it.
+  "met" when the whole range is within the bound, "not met" when the whole
+  range is beyond it, and "within noise" when the range straddles it, with the
+  side of the median: "within noise, median over" (or "under"), so that a wide
+  range never hides a median far from its target. A verdict never contradicts
+  the cell beside it.
   """
   if q["max"] <= target:
     return "met"
   if q["min"] > target:
     return "not met"
-  return "within noise"
+  return f"within noise, median {'over' if q['median'] > target else 'under'}"
 
 
 _STOPPED = {
