@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from jaxaccum.bench import reproduce
 
 TIMED_DATA = {"timing": {"wall_rounds": {"a": [1.0]}, "baseline": "a"}}
@@ -15,8 +17,8 @@ def _result(rid, rows, prose="", data=None, columns=("case", "ms / window", "vs 
   return {"id": rid, "section": rid.split("/")[0], "title": rid, "markdown": markdown, "data": data or {}}
 
 
-def _report(path, results):
-  path.write_text(json.dumps({"header": {"date": "2026-11-26"}, "sections": results}))
+def _report(path, results, **header):
+  path.write_text(json.dumps({"header": {"date": "2026-11-26", "quick": False, **header}, "sections": results}))
   return str(path)
 
 
@@ -67,3 +69,17 @@ def test_results_only_one_side_has_are_listed_not_compared(tmp_path, capsys):
   assert reproduce.main([_report(tmp_path / "run.json", [b]), "--store", _report(tmp_path / "s.json", [a])]) == 0
   out = capsys.readouterr().out
   assert "only printed: t/a" in out and "only in the rerun: t/b" in out
+
+
+def test_a_quick_run_against_a_full_store_is_refused_by_name(tmp_path, capsys):
+  """--quick measures other sizes: every figure would differ, so the comparison is refused, not failed cell by cell."""
+  a = _result("t/a", [["x", "1", "2", "3"]])
+  store = _report(tmp_path / "s.json", [a])
+  with pytest.raises(SystemExit) as e:
+    reproduce.main([_report(tmp_path / "quick.json", [a], quick=True), "--store", store])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "quick.json" in err and "quick=False printed, quick=True rerun" in err
+  # Another jax version is compared, with a warning (deterministic figures are per jax/XLA).
+  assert reproduce.main([_report(tmp_path / "jax.json", [a], jax="0.11.0"), "--store", store]) == 0
+  assert "warning: t/a: jax None printed, 0.11.0 rerun" in capsys.readouterr().out

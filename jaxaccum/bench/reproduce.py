@@ -120,12 +120,34 @@ def compare(printed: dict[str, dict], rerun: dict[str, dict]) -> tuple[dict, lis
   return total, missed, flips, one_side
 
 
+def _mismatch(printed: dict[str, dict], rerun: dict[str, dict]) -> tuple[list[str], list[str]]:
+  """([refusals]: a --quick run against a full one measures other sizes, [warnings]: another jax or backend)."""
+  refuse, warn = [], []
+  for rid in sorted(set(printed) & set(rerun)):
+    a, b = printed[rid].get("header", {}), rerun[rid].get("header", {})
+    if bool(a.get("quick")) != bool(b.get("quick")):
+      refuse.append(f"{rid}: quick={bool(a.get('quick'))} printed, quick={bool(b.get('quick'))} rerun")
+    for key in ("jax", "backend"):
+      if a.get(key) != b.get(key):
+        warn.append(f"{rid}: {key} {a.get(key)} printed, {b.get(key)} rerun (deterministic figures may differ)")
+  return refuse, warn
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jaxaccum.bench.reproduce", description=__doc__.split("\n\n")[0])
   parser.add_argument("run", help="a second run: `python -m jaxaccum.bench --json RUN.json`")
   parser.add_argument("--store", default=str(figures.ROOT / figures.STORE), help="what the docs print (the store)")
   args = parser.parse_args(argv)
-  total, missed, flips, one_side = compare(figures.load(args.store), figures.load(args.run))
+  printed, rerun = figures.load(args.store), figures.load(args.run)
+  refuse, warn = _mismatch(printed, rerun)
+  if refuse:
+    parser.error(
+      f"run={args.run!r} measures other sizes than the store ({len(refuse)} results, e.g. {refuse[0]}): "
+      "compare a full run (no --quick) with a full run"
+    )
+  for line in warn:
+    print("warning: " + line)
+  total, missed, flips, one_side = compare(printed, rerun)
   for line in missed:
     print("NOT REPRODUCED " + line)
   for line in flips:
