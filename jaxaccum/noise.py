@@ -143,7 +143,7 @@ def check_decay(decay, name: str = "noise_scale_ema") -> float:
   return value
 
 
-def check_sample(sample, noise_scale_ema, *, switch: str = "noise_scale_ema= (e.g. 0.99)") -> int | None:
+def check_sample(sample, noise_scale_ema, *, switch: str = "noise_scale_ema= (e.g. 0.95)") -> int | None:
   """`noise_scale_sample`: None (every microbatch measured) or m >= 1 microbatches per window, with tracking on.
 
   `noise_scale_ema`: None where the measurement is off; `switch` names what turns it on (the entry point's option).
@@ -301,7 +301,7 @@ def noise_scale(state) -> NoiseScale:
   if not found:
     raise ValueError(
       f"state ({type(state).__name__}) holds no noise-scale statistics: turn them on with "
-      "ja.accumulate(..., noise_scale_ema=0.99)"
+      "ja.accumulate(..., noise_scale_ema=0.95)"
     )
   if len(found) > 1:
     raise ValueError(f"state ({type(state).__name__}) holds {len(found)} noise-scale statistics; pass one of them")

@@ -102,6 +102,14 @@ def test_verdicts_say_within_noise_when_the_printed_range_straddles_the_target()
   assert common.verdict(tail, 0.70) == "within noise, median under"
   assert common.ratio_cell(q(0.53, 0.55, 0.57)) == "0.55x [0.53, 0.57]"
   assert common.ratio_cell(q(0.997, 1.012, 1.025), percent=True) == "+1.2% [-0.3, +2.5]"
+  # Compared as printed: a fastest round of 0.7012x prints "0.70", so the cell straddles <= 0.70x.
+  edge = q(0.7012, 0.94, 1.21)
+  assert common.ratio_cell(edge) == "0.94x [0.70, 1.21]"
+  assert common.verdict(edge, 0.70) == "within noise, median over"
+  assert common.verdict(q(0.9, 0.95, 1.0504), 1.05) == "met"  # prints [0.90, 1.05]
+  assert common.verdict(q(0.99, 1.0, 1.0204), 1.02, percent=True) == "met"  # prints [-1.0, +2.0]
+  assert common.verdict(q(0.99, 1.0, 1.0204), 1.02) == "met"
+  assert common.verdict(q(0.99, 1.0, 1.0251), 1.02, percent=True) == "within noise, median under"  # +2.5
 
 
 def test_every_section_names_the_code_it_measures():

@@ -75,6 +75,11 @@ def timed(
 ) -> dict:
   """The one timing helper of the bench: runners interleaved round by round, ratios against `baseline` per round.
 
+  A runner is a function of no arguments that does the work once and waits
+  for it (`jax.block_until_ready` on its outputs: dispatch is asynchronous),
+  carrying its own state between calls (a donated step feeds its outputs back
+  in through a list it closes over); compile it before it is timed.
+
   Every runner runs `warmup` times, then rounds in which each runs once, the
   order rotated every round (A B C, B C A, ...) so no runner always follows
   the same one. A ratio is taken within a round (runner / baseline, measured
@@ -138,13 +143,20 @@ def ratio_between(t: dict, name: str, base: str, cpu: bool = False) -> dict:
   return _quartiles([a / b for a, b in zip(rounds[name], rounds[base], strict=True)])
 
 
+def _printed(q: dict, percent: bool) -> dict:
+  """The quartiles rounded as `ratio_cell` prints them (a ratio to 2 decimals, a percentage to 1)."""
+  if percent:
+    return {k: 1 + round(100 * (v - 1), 1) / 100 for k, v in q.items()}
+  return {k: round(v, 2) for k, v in q.items()}
+
+
 def ratio_cell(q: dict, percent: bool = False) -> str:
   """A ratio as printed: the median and the range of its rounds, "0.55x [0.51, 0.60]" or "+1.2% [-0.3, +2.5]".
 
-  The range printed is min-max, not the interquartile range: a second run's
-  median lands inside the first run's min-max (checked on two full runs,
-  `python -m jaxaccum.bench.reproduce`), where a quarter of them fell outside
-  its interquartile range: the machine's state moves between runs more than
+  The range printed is min-max, not the interquartile range: a second full
+  run's median lands inside the first run's min-max (checked with
+  `python -m jaxaccum.bench.reproduce`), where 12 of 86 fell outside its
+  interquartile range: the machine's state moves between runs more than
   between rounds. The quartiles stay in the JSON.
   """
   if percent:
@@ -153,15 +165,18 @@ def ratio_cell(q: dict, percent: bool = False) -> str:
   return f"{q['median']:.2f}x [{q['min']:.2f}, {q['max']:.2f}]"
 
 
-def verdict(q: dict, target: float) -> str:
+def verdict(q: dict, target: float, percent: bool = False) -> str:
   """A ratio against an upper bound `target`, read from the range `ratio_cell` prints (min-max over the rounds).
 
   "met" when the whole range is within the bound, "not met" when the whole
   range is beyond it, and "within noise" when the range straddles it, with the
   side of the median: "within noise, median over" (or "under"), so that a wide
-  range never hides a median far from its target. A verdict never contradicts
-  the cell beside it.
+  range never hides a median far from its target. The bounds are compared as
+  printed (`percent` as in `ratio_cell`): a cell "[0.70, 1.21]" against
+  <= 0.70x reads "within noise" even when the fastest round was 0.7012x, so a
+  verdict never contradicts the cell beside it.
   """
+  q = _printed(q, percent)
   if q["max"] <= target:
     return "met"
   if q["min"] > target:

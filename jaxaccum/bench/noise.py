@@ -118,12 +118,12 @@ def _overhead(quick: bool):
       "ratios": {n: q["median"] for n, q in t["ratio"].items()},
       "cpu_seconds_per_window": t["cpu_seconds"],
       "cpu_ratios": {n: q["median"] for n, q in t["cpu_ratio"].items()},
-      "verdicts": {n: verdict(t["ratio"][n], BOUND) for n in list(variants)[1:]},
+      "verdicts": {n: verdict(t["ratio"][n], BOUND, percent=True) for n in list(variants)[1:]},
     }
     for n in list(variants)[1:]:
       rows.append(
         f"| K={k}, B={micro_batch} | {n} | {t['seconds'][n] * 1e3:.2f} | {ratio_cell(t['ratio'][n], percent=True)} | "
-        f"{ratio_cell(t['cpu_ratio'][n], percent=True)} | {verdict(t['ratio'][n], BOUND)} |"
+        f"{ratio_cell(t['cpu_ratio'][n], percent=True)} | {verdict(t['ratio'][n], BOUND, percent=True)} |"
       )
     notes.append(f"B={micro_batch}: accumulate alone {t['seconds']['accumulate'] * 1e3:.2f} ms; {timing_note(t)}")
   markdown = [
