@@ -10,7 +10,7 @@ checkpoints nor uses Flax never needs.
 import importlib
 from typing import TYPE_CHECKING
 
-from jaxaccum import schedules
+from jaxaccum import _versions, schedules  # noqa: F401  (_versions warns once if this jax is outside the tested range)
 from jaxaccum.accumulate import AccumulateState, accumulate, has_updated
 from jaxaccum.distributed import fail_fast
 from jaxaccum.hlo import collective_bytes, count_collectives

@@ -67,6 +67,32 @@ def _stacked_spec(x, replica_axis: str) -> PartitionSpec:
   return PartitionSpec(replica_axis)
 
 
+def _replica_led(x, mesh, replica_axis: str, then: tuple[str, ...] = ()):
+  """`x` typed with its leading dimension over the (Explicit) replica axis first, its other axes kept.
+
+  A shard_map manual over an Explicit axis takes each input typed as its in_specs over that axis (jax
+  >= 0.12 checks it, partial-manual maps included; older versions reshard silently): a leaf typed so
+  already is returned as is; any other (a broadcast, a batch typed replicated or over the data axes
+  only) is resharded with the replica axis moved to the front of its leading dimension, followed by
+  the Explicit axes of `then` that shard none of its dimensions (the batch: its rows over the replica
+  axis, then over the step's data axes, as the partitioner lays them out when nothing is typed).
+  """
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  entries = sharded._entries(spec or PartitionSpec(), jnp.ndim(x))
+  if not entries:
+    return x
+  first = sharded._names(entries[0])
+  if first[:1] == (replica_axis,) and all(replica_axis not in sharded._names(e) for e in entries[1:]):
+    return x
+  used = {n for e in entries for n in sharded._names(e)}
+  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit}
+  more = tuple(a for a in then if a in explicit and a not in used and a != replica_axis)
+  entry = lambda names: None if not names else names[0] if len(names) == 1 else names
+  lead = entry((replica_axis, *(n for n in first if n != replica_axis), *more))
+  rest = [entry(tuple(n for n in sharded._names(e) if n != replica_axis)) for e in entries[1:]]
+  return jax.sharding.reshard(x, NamedSharding(mesh, sharded._spec([lead, *rest])))
+
+
 class DiLoCoTrainStep:
   """The step `diloco_train_step` returns: `init`, then `step(params, opt_state, batch, key=None)`.
 
@@ -96,6 +122,7 @@ class DiLoCoTrainStep:
       return _stack(out)
 
     explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit]
+    replica_explicit = replica_axis in explicit
     inside = mesh
     if any(a != replica_axis for a in explicit):
       # jax 0.10 gathers a leaf sharded over an Explicit axis that a partial-manual shard_map leaves to
@@ -108,6 +135,12 @@ class DiLoCoTrainStep:
 
     def fun(*args):
       *front, key = args
+      if replica_explicit:
+        # Per-replica buffers over the replica axis as they come; the batch's rows over it, then the data axes.
+        *state_trees, batch = front
+        front = [jax.tree.map(lambda x: _replica_led(x, mesh, replica_axis), t) for t in state_trees]
+        front.append(jax.tree.map(lambda x: _replica_led(x, mesh, replica_axis, cfg.plan.batch_axes), batch))
+        args = (*front, key)
       specs = (rep,) * len(front) + (None if key is None else PartitionSpec(),)
       n_out = 4 if has_state else 3
       # Untyped, as the step's own shard_map inside it is (make_train_step runs user code with
@@ -133,6 +166,8 @@ class DiLoCoTrainStep:
     def start(*trees):
       # One copy per replica, made on the devices (the caller's arrays are never donated or aliased).
       trees = jax.tree.map(lambda a: jnp.broadcast_to(a, (replicas, *jnp.shape(a))), trees)
+      if replica_explicit:  # a broadcast is typed replicated: the map takes its inputs over the replica axis
+        trees = jax.tree.map(lambda a: _replica_led(a, mesh, replica_axis), trees)
       return jax.shard_map(init, mesh=mesh, in_specs=rep, out_specs=rep, axis_names={replica_axis})(*trees)
 
     self._start = start

@@ -1,0 +1,103 @@
+"""Every private JAX name jaxaccum uses, one function or alias per need, version differences handled here alone.
+
+`grep -rn "_src" jaxaccum` finds this module and no other. Each entry says what
+it relies on and the versions it was checked on (jax 0.10.2, 0.11.2 and
+0.12.0.1: the range `pyproject.toml` declares). Everything else in jaxaccum
+uses public JAX (`jax.extend.core`, `jax.core`, `jax.sharding`,
+`jax.make_jaxpr`).
+
+Only `_program` (the loss traced once, localised for the per-device map) needs
+these: a traced jaxpr's avals carry the trace's mesh, and JAX's public API has
+no way to retype them or the equations' recorded contexts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+from jax._src import ad_util as _ad_util  # noqa: PLC2701
+from jax._src import config as _config  # noqa: PLC2701
+from jax._src import core as _core  # noqa: PLC2701
+from jax._src import linear_util as _lu  # noqa: PLC2701
+from jax._src import literals as _literals  # noqa: PLC2701
+from jax.extend import core as jex_core
+
+# An aval's per-axis varying/unreduced/reduced record (`ShapedArray.manual_axis_type`): a frozen dataclass with
+# those three frozensets, `dataclasses.replace`-able. Same fields on 0.10.2, 0.11.2, 0.12.0.1.
+ManualAxisType = _core.ManualAxisType
+
+# A literal's host array with its aval (`literals.TypedNdArray(array, aval)`; `.aval`). 0.10.2 - 0.12.0.1.
+TypedNdArray = _literals.TypedNdArray
+
+# A custom derivative's rule as JAX stores it in `custom_jvp_call`/`custom_vjp_call` params (a
+# `linear_util.WrappedFun`: `.call_wrapped(*args)`, `.transforms`, `.debug_info`), and its constructor
+# `wrap_init(f, debug_info=...)`. 0.10.2 - 0.12.0.1.
+WrappedFun = _lu.WrappedFun
+wrap_init = _lu.wrap_init
+
+# The symbolic zero a custom_vjp bwd may return (`ad_util.Zero(aval)`, `.aval`). 0.10.2 - 0.12.0.1.
+Zero = _ad_util.Zero
+
+
+def disable_bwd_checks():
+  """A context in which JAX does not check a custom_vjp bwd's output types (config state
+  `jax_disable_bwd_checks`, used as a context manager). 0.10.2 - 0.12.0.1."""
+  return _config.disable_bwd_checks(True)
+
+
+def new_var(aval, like=None):
+  """A jaxpr variable of type `aval` (`jax.extend.core.Var`), keeping `like`'s quasi-dynamic data.
+
+  0.10.2: `Var(aval, initial_qdd=None, final_qdd=None)`; 0.11.2 and 0.12.0.1:
+  `Var(aval)` (the qdd fields are gone). Only mutable refs carry qdd.
+  """
+  initial, final = getattr(like, "initial_qdd", None), getattr(like, "final_qdd", None)
+  if initial is None and final is None:
+    return jex_core.Var(aval)
+  return jex_core.Var(aval, initial, final)  # type: ignore[call-arg]  # 0.10 only: the others have no qdd
+
+
+def eqn_context(ctx, mesh):
+  """The equation context `ctx` (`JaxprEqn.ctx`) with its abstract mesh replaced by `mesh`.
+
+  Built without naming the context's fields: `ctx.manager` restores every
+  setting the context recorded (compute type, threefry, xla metadata, and on
+  0.12 the layout mode and `no_collectives`), then the mesh is set, and the
+  context class's constructor reads them back. Checked on 0.10.2, 0.11.2,
+  0.12.0.1 (where `JaxprEqnContext._create`'s positional fields differ).
+  """
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(ctx.manager)
+    # Entered through the empty mesh: JAX refuses to change a set mesh's axis sizes directly.
+    stack.enter_context(jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())))
+    stack.enter_context(jax.sharding.use_abstract_mesh(mesh))
+    return type(ctx)()
+
+
+def scan_layout(params) -> tuple[int, int]:
+  """(number of consts, number of carries) of a `scan` equation's params; the xs follow.
+
+  0.10.2: `num_consts`/`num_carry` params; 0.11.2 and 0.12.0.1: a flat tree
+  `ft_in` of (consts, carry, xs) whose `unpack()` gives the three groups.
+  """
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
+
+
+def call_flat_bwd(bwd, args, fix):
+  """Calls a custom_vjp's flattened bwd rule (`custom_vjp_call`'s `bwd` param, a `WrappedFun`) on `args`, passes
+  its input cotangents (a list of arrays and `Zero`s) through `fix`, and returns them as JAX's caller reads them.
+
+  0.10.2: the rule returns the list of cotangents; 0.11.2 and 0.12.0.1: a pair
+  (cotangents, logs), the logs being `defvjp_with_logs`'s backward-pass entries
+  (None or a dict), passed on untouched. Told apart by that shape (a cotangent
+  is never a list or tuple).
+  """
+  out = bwd.call_wrapped(*args)
+  if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (list, tuple)):
+    cts, logs = out
+    return fix(list(cts)), logs
+  return fix(list(out))
