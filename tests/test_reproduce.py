@@ -66,9 +66,67 @@ def test_a_deterministic_figure_must_be_equal(tmp_path, capsys):
 def test_results_only_one_side_has_are_listed_not_compared(tmp_path, capsys):
   a = _result("t/a", [["x", "1", "2", "3"]])
   b = _result("t/b", [["x", "1", "2", "3"]])
-  assert reproduce.main([_report(tmp_path / "run.json", [b]), "--store", _report(tmp_path / "s.json", [a])]) == 0
+  both = _result("t/both", [["x", "1", "2", "3"]])
+  run, store = _report(tmp_path / "run.json", [b, both]), _report(tmp_path / "s.json", [a, both])
+  assert reproduce.main([run, "--store", store]) == 0
   out = capsys.readouterr().out
   assert "only printed: t/a" in out and "only in the rerun: t/b" in out
+  assert "deterministic figures equal: 5 of 5" in out  # t/both's 4 cells and its prose
+  # With no result in common nothing is compared, and a check that checked nothing does not pass.
+  run = _report(tmp_path / "run_b.json", [b])
+  assert reproduce.main([run, "--store", _report(tmp_path / "s_a.json", [a])]) == reproduce.NOTHING_COMPARED == 4
+  captured = capsys.readouterr()
+  assert "only printed: t/a" in captured.out and "only in the rerun: t/b" in captured.out
+  err = captured.err.strip()
+  assert "\n" not in err and "nothing compared" in err and "run_b.json" in err and "no result id in common" in err
+
+
+def test_results_in_common_that_hold_no_figure_compare_nothing(tmp_path, capsys):
+  """A timed result with no range printed and no table: in both, yet not one figure to compare."""
+  empty = {"id": "t/timed", "section": "t", "title": "t/timed", "markdown": "no ranges here", "data": TIMED_DATA}
+  store = _report(tmp_path / "s.json", [empty])
+  assert reproduce.main([_report(tmp_path / "run.json", [empty]), "--store", store]) == 4
+  captured = capsys.readouterr()
+  assert "inside the printed range: 0 of 0" in captured.out
+  assert "nothing compared" in captured.err and "the 1 results in common hold no figure" in captured.err
+
+
+# Each way a file can fail to be a report: (writes the file at path or not, what the one-line error says, code).
+_BAD = {
+  "missing": (None, "no such file", 3),
+  "empty file": ("", "the file is empty", 3),
+  "not JSON": ("{'sections': [", "not JSON", 3),
+  "a JSON list": ("[]", "a JSON list, not an object", 3),
+  "no sections": (json.dumps({"header": {"date": "2026-11-26"}}), "no 'sections' key", 3),
+  "sections not a list": (json.dumps({"header": {}, "sections": {}}), "'sections' is a dict", 3),
+  "no header": (json.dumps({"sections": []}), "no 'header' object", 3),
+  "a result without markdown": (
+    json.dumps({"header": {}, "sections": [{"section": "t", "title": "x"}]}),
+    "result 0 of 'sections' is not a bench result (no 'markdown')",
+    3,
+  ),
+  "empty sections": (json.dumps({"header": {"date": "2026-11-26"}, "sections": []}), "holds no results", 4),
+}
+
+
+@pytest.mark.parametrize("side", ["run", "store"])
+@pytest.mark.parametrize("case", list(_BAD))
+def test_an_unreadable_or_empty_run_or_store_is_one_line_naming_the_file(tmp_path, capsys, side, case):
+  text, says, code = _BAD[case]
+  bad = tmp_path / "bad.json"
+  if text is not None:
+    bad.write_text(text)
+  good = _report(tmp_path / "good.json", [_result("t/a", [["x", "1", "2", "3"]])])
+  argv = [str(bad), "--store", good] if side == "run" else [good, "--store", str(bad)]
+  assert reproduce.main(argv) == code
+  captured = capsys.readouterr()
+  err = captured.err.strip()
+  assert "\n" not in err and "Traceback" not in err, err  # one line, no traceback
+  assert f"{side} {str(bad)!r}" in err, err  # names which file, and which side it is
+  assert says in err, err
+  if code == 4:
+    assert "nothing compared" in err
+  assert "NOT REPRODUCED" not in captured.out and "inside the printed range" not in captured.out
 
 
 def test_a_quick_run_against_a_full_store_is_refused_by_name(tmp_path, capsys):

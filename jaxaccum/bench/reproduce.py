@@ -17,13 +17,19 @@ Not compared: raw times (a column in ms: the machine's speed, not a ratio),
 verdicts (they follow the ranges; a flip is listed for the reader) and the
 prose of timed results around their ranges (round counts, load averages).
 Only results present in both are compared; the ids each side lacks are listed.
-Exits 1 on any figure not reproduced.
+
+Exit codes: 0 every figure compared reproduced; 1 a figure not reproduced; 2 refused (a `--quick`
+run against a full one, or bad arguments); 3 the run or the store cannot be read as a bench report
+(missing, not JSON, no `sections` list, a malformed result); 4 nothing was compared (a side with no
+results, no result id in common, or no figure in the results in common): a check that checked
+nothing does not pass. Codes 3 and 4 print one line naming the file and what is wrong.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import re
 import sys
 
@@ -133,12 +139,67 @@ def _mismatch(printed: dict[str, dict], rerun: dict[str, dict]) -> tuple[list[st
   return refuse, warn
 
 
+UNREADABLE = 3  # the run or the store is not a readable bench report
+NOTHING_COMPARED = 4  # no figure was compared: the check checked nothing
+
+
+class ReportError(Exception):
+  """A run or store that cannot be read as a bench report; the message is one line naming the file."""
+
+
+def _load(path: str, what: str) -> dict[str, dict]:
+  """`figures.load`, with each way a file can fail to be a report turned into a one-line `ReportError`."""
+  name = f"{what} {path!r}"
+  try:
+    text = pathlib.Path(path).read_text()
+  except FileNotFoundError:
+    raise ReportError(f"{name}: no such file") from None
+  except IsADirectoryError:
+    raise ReportError(f"{name}: is a directory, not a report file") from None
+  except UnicodeDecodeError as e:
+    raise ReportError(f"{name}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+  except OSError as e:
+    raise ReportError(f"{name}: cannot be read ({e.strerror or e})") from None
+  if not text.strip():
+    raise ReportError(f"{name}: the file is empty, not a report (`python -m jaxaccum.bench --json FILE`)")
+  try:
+    report = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ReportError(f"{name}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+  if not isinstance(report, dict):
+    raise ReportError(f"{name}: not a bench report (a JSON {type(report).__name__}, not an object)")
+  if not isinstance(report.get("sections"), list):
+    got = "no 'sections' key" if "sections" not in report else f"'sections' is a {type(report['sections']).__name__}"
+    raise ReportError(f"{name}: not a bench report ({got}; `python -m jaxaccum.bench --json FILE` writes a list)")
+  if not isinstance(report.get("header"), dict):
+    raise ReportError(f"{name}: not a bench report (no 'header' object)")
+  for i, r in enumerate(report["sections"]):
+    missing = [k for k in ("section", "title", "markdown") if not isinstance(r, dict) or k not in r]
+    if missing:
+      raise ReportError(f"{name}: result {i} of 'sections' is not a bench result (no {', '.join(map(repr, missing))})")
+  try:
+    return figures.load(path)
+  except (KeyError, TypeError, ValueError, AttributeError) as e:
+    raise ReportError(f"{name}: not a bench report ({type(e).__name__}: {e})") from None
+
+
+def _error(message: str, code: int) -> int:
+  print(f"python -m jaxaccum.bench.reproduce: error: {message}", file=sys.stderr)
+  return code
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jaxaccum.bench.reproduce", description=__doc__.split("\n\n")[0])
   parser.add_argument("run", help="a second run: `python -m jaxaccum.bench --json RUN.json`")
   parser.add_argument("--store", default=str(figures.ROOT / figures.STORE), help="what the docs print (the store)")
   args = parser.parse_args(argv)
-  printed, rerun = figures.load(args.store), figures.load(args.run)
+  try:
+    printed, rerun = _load(args.store, "store"), _load(args.run, "run")
+  except ReportError as e:
+    return _error(str(e), UNREADABLE)
+  for what, path, results in (("store", args.store, printed), ("run", args.run, rerun)):
+    if not results:
+      return _error(f"nothing compared: {what} {path!r} holds no results (its 'sections' is empty)", NOTHING_COMPARED)
   refuse, warn = _mismatch(printed, rerun)
   if refuse:
     parser.error(
@@ -159,7 +220,16 @@ def main(argv=None) -> int:
     f"deterministic figures equal: {total['equal']} of {total['equal'] + total['differ']}; "
     f"verdict flips: {len(flips)}"
   )
-  return 1 if missed else 0
+  if missed:
+    return 1
+  if not sum(total.values()):
+    common = len(set(printed) & set(rerun))
+    why = "no result id in common" if not common else f"the {common} results in common hold no figure"
+    return _error(
+      f"nothing compared: run {args.run!r} against store {args.store!r}: {why}; a check that checked nothing fails",
+      NOTHING_COMPARED,
+    )
+  return 0
 
 
 if __name__ == "__main__":
