@@ -56,7 +56,7 @@ from jaxaccum import _per_device, _program, _tree, parallel, sharded
 from jaxaccum import noise as _noise
 from jaxaccum._layerwise import layerwise
 from jaxaccum._split import split, weights
-from jaxaccum._sums import _leaf_reductions, _weight_ok, _weighted, check_prefix, finish, local_sums
+from jaxaccum._sums import PER_ROW, _leaf_reductions, _weight_ok, _weighted, check_prefix, finish, local_sums, per_row
 
 
 class Config(NamedTuple):
@@ -88,10 +88,12 @@ class Config(NamedTuple):
 def step(cfg: Config, given, params, state, opt_state, batch, key):
   """The traced step: `(params, state, opt_state, metrics)` after one update on `batch`."""
   if cfg.mesh is None:
+    cfg = cfg._replace(aux_reductions=_aux_rule(cfg, None, params, state, batch, key))
     grads, out = _local(cfg, None, params, state, batch, key)
     return _update(cfg, None, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
   plan, mesh = cfg.plan, cfg.mesh
-  cfg = cfg._replace(loss_fn=_traced(cfg, params, state, batch, key))  # traced once; the map evaluates it
+  program = _traced(cfg, params, state, batch, key)
+  cfg = cfg._replace(loss_fn=program, aux_reductions=_aux_rule(cfg, program, params, state, batch, key))
   layouts = sharded._layouts(params, mesh, plan, placed=False, given=given)
   flat = jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)
   manual = set(plan.batch_axes)
@@ -152,6 +154,38 @@ def _traced(cfg: Config, params, state, batch, key) -> _program.Program:
   if found:
     raise _program.shard_map_refusal(sorted(found)[0], "make_train_step")
   return program
+
+
+def _aux_rule(cfg: Config, program, params, state, batch, key):
+  """`aux_reductions` with the per-example default resolved on the loss's outputs (`_sums.per_row`), once per trace.
+
+  The loop (and on a mesh the per-device map, which evaluates the traced
+  loss at one microbatch's shapes only) then sees named reductions. A leaf
+  whose leading size is a microbatch's rows is told per-example or not by
+  tracing the loss again at twice the rows (abstractly, only then).
+  """
+  if not cfg.has_aux or cfg.aux_reductions != PER_ROW:
+    return cfg.aux_reductions
+  devices = 1 if cfg.mesh is None else int(np.prod([cfg.mesh.shape[a] for a in cfg.plan.batch_axes]))
+  rows = np.shape(jax.tree.leaves(batch)[0])[0] // (devices * cfg.k)
+
+  def aux_of(out):
+    return out[1][1] if cfg.has_state else out[1]
+
+  def outputs_at(at):
+    resized = jax.tree.map(lambda x: jax.ShapeDtypeStruct((at * devices, *np.shape(x)[1:]), x.dtype), batch)
+    if cfg.mesh is not None:
+      prog = program if at == rows else _traced(cfg._replace(k=1), params, state, resized, key)
+      return jax.tree.unflatten(prog.out_tree, prog.closed.out_avals)
+    args = (params, *((state,) if cfg.has_state else ()), resized, *(() if key is None else (key,)))
+    return jax.eval_shape(cfg.loss_fn, *args)
+
+  aux = aux_of(outputs_at(rows))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(aux)]
+  leaves, treedef = jax.tree.flatten(aux)
+  probe = lambda at: jax.tree.leaves(aux_of(outputs_at(at)))
+  reds = per_row([PER_ROW] * len(leaves), leaves, paths, rows, probe, "aux", "aux_reductions=")
+  return jax.tree.unflatten(treedef, reds)
 
 
 _INSTEAD = (

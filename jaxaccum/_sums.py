@@ -28,7 +28,7 @@ REDUCTIONS = ("mean", "sum", "concat", "last")
 
 _ADD = "add"  # internal (not a user's reduction): every microbatch's output added as it is
 # Internal: the default of an aux / output leaf left unnamed (docs/guides/microbatch.md, "Per-example outputs"):
-# "concat" when its leading size is a microbatch's rows (a per-example value, returned in row order), else "mean".
+# "concat" when its leading size follows the rows (a per-example value, returned in row order), else "mean" (`per_row`).
 PER_ROW = "per-row default"
 
 
@@ -62,14 +62,13 @@ def check_prefix(reductions, tree, name: str) -> None:
 
 
 def _leaf_reductions(
-  reductions, outs, name: str = "fun's output", arg: str = "reductions=", *, rows=None, keep=frozenset()
+  reductions, outs, name: str = "fun's output", arg: str = "reductions=", *, rows=None, probe=None
 ) -> list[str]:
   """The reduction of each leaf of `outs`, `reductions` being a tree prefix of `outs`; checks dtypes.
 
   `name` and `arg`: how errors name the outputs and the argument to change (make_train_step: "aux",
-  "aux_reductions="). `PER_ROW` resolves to "concat" for a leaf whose leading size is `rows` (and whose
-  shape is not in `keep`: ja.microbatch's gradients have their parameters' shapes), else to "mean"; with
-  `rows` unknown (None) a leaf of rank >= 1 keeps `PER_ROW` and its dtype is checked later.
+  "aux_reductions="). `PER_ROW` (the default) resolves by `per_row` with `rows` and `probe`; with `rows`
+  unknown (None) a leaf of rank >= 1 keeps `PER_ROW` and its dtype is checked later.
   """
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(outs)]
   leaves = jax.tree.leaves(outs)
@@ -83,7 +82,10 @@ def _leaf_reductions(
         f"reductions={reductions!r} is not a tree prefix of fun's outputs (structure {jax.tree.structure(outs)}): {e}"
       ) from None
     reds = [r for r, sub in zip(jax.tree.leaves(reductions), subtrees, strict=True) for _ in jax.tree.leaves(sub)]
-  reds = [_per_row(leaf, rows, keep) if r == PER_ROW else r for leaf, r in zip(leaves, reds, strict=True)]
+  if rows is not None:
+    reds = per_row(reds, leaves, paths, rows, probe, name, arg)
+  else:
+    reds = ["mean" if r == PER_ROW and not jnp.shape(leaf) else r for leaf, r in zip(leaves, reds, strict=True)]
   for path, leaf, r in zip(paths, leaves, reds, strict=True):
     if r == PER_ROW:
       continue
@@ -111,13 +113,78 @@ def _leaf_reductions(
   return reds
 
 
-def _per_row(leaf, rows, keep) -> str:
-  shape = tuple(jnp.shape(leaf))
-  if not shape:
-    return "mean"
-  if rows is None:
-    return PER_ROW
-  return "concat" if shape[0] == rows and shape not in keep else "mean"
+def per_row(reds: list, leaves: list, paths: list, rows: int, probe, name: str, arg: str) -> list[str]:
+  """The one per-example rule (docs/guides/microbatch.md, "Per-example outputs"): each `PER_ROW` leaf resolved.
+
+  A leaf is per-example ("concat", returned in row order) when its leading
+  size follows the rows: it is `rows` at `rows` rows per microbatch and `2 rows`
+  at twice as many. One whose shape does not change with the rows is one value
+  per microbatch ("mean"). Only a leaf whose leading size equals `rows` needs
+  the second look: `probe(2 * rows)` gives the outputs' shapes (a flat list, the
+  order of `leaves`) at twice the rows, traced abstractly. The rule never
+  depends on K or on a coincidence of sizes (a per-class vector as long as a
+  microbatch stays a mean at every K). A leaf whose leading size changes with
+  the rows in another way, or outputs that cannot be traced at twice the rows,
+  are refused, naming the leaf and `arg`.
+  """
+  reds = list(reds)
+  undecided = []
+  for j, (leaf, r) in enumerate(zip(leaves, reds, strict=True)):
+    if r != PER_ROW:
+      continue
+    shape = tuple(jnp.shape(leaf))
+    if shape and shape[0] == rows:
+      undecided.append(j)
+    else:
+      reds[j] = "mean"
+  if not undecided:
+    return reds
+  named = ", ".join(f"{name}{paths[j]}" for j in undecided)
+  if probe is None:
+    raise ValueError(
+      f"{named} has {rows} rows first, as many as a microbatch: name its reduction in {arg} "
+      '("concat" for per-example values, "mean" for one value per microbatch)'
+    )
+  try:
+    again = [tuple(jnp.shape(x)) for x in probe(2 * rows)]
+  except Exception as e:
+    raise ValueError(
+      f"{named} has {rows} rows first, as many as a microbatch. jaxaccum tells a per-example leaf (concatenated "
+      f"in row order) from one value per microbatch (averaged) by whether its leading size follows the rows, "
+      f"seen by tracing the shapes at {2 * rows} rows, which failed ({type(e).__name__}: {str(e)[:300]}). Name its "
+      f'reduction in {arg}: "concat" for per-example values, "mean" otherwise'
+    ) from None
+  for j in undecided:
+    shape = tuple(jnp.shape(leaves[j]))
+    if again[j] == (2 * rows, *shape[1:]):
+      reds[j] = "concat"
+    elif again[j] == shape:
+      reds[j] = "mean"
+    else:
+      raise ValueError(
+        f"{name}{paths[j]} has shape {shape} at {rows} rows per microbatch and {again[j]} at {2 * rows}: its "
+        "leading size changes with the rows but is not the rows, so it is neither per-example (concatenated in "
+        f'row order) nor one value per microbatch (averaged). Name its reduction in {arg} ("sum", "last", ...)'
+      )
+  return reds
+
+
+def shapes_at(run, first: tuple, axes: tuple, rows: int) -> list:
+  """The abstract outputs of `run(microbatches, 0)` with `rows` rows on each batch argument's axis (no FLOPs).
+
+  Each leaf keeps its dtype, its typed sharding and its varying manual axes,
+  so that it traces where the real microbatch does.
+  """
+
+  def resized(x, a):
+    t = jax.typeof(x)
+    shape = list(t.shape)
+    shape[a % len(shape)] = rows
+    sharding = t.sharding if getattr(t.sharding, "spec", None) is not None and not t.sharding.mesh.empty else None
+    return jax.ShapeDtypeStruct(tuple(shape), t.dtype, sharding=sharding, manual_axis_type=t.manual_axis_type)
+
+  resized_mbs = tuple(jax.tree.map(lambda x, a=a: resized(x, a), mb) for mb, a in zip(first, axes, strict=True))
+  return jax.tree.leaves(jax.eval_shape(lambda mbs: run(mbs, 0), resized_mbs))
 
 
 def _check_concat_rows(like, reds, rows: int) -> None:
@@ -160,9 +227,7 @@ def _wdtype(leaves, reds, override) -> jnp.dtype:
   )
 
 
-def local_sums(
-  run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, skip=False, check_batch=True, keep=frozenset()
-) -> Sums:
+def local_sums(run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, skip=False, check_batch=True) -> Sums:
   """The microbatch loop: `run(microbatches, i)` for i < K in a `lax.scan`, combined per `reductions`.
 
   `ws` holds the K weights (`weights`); with `skip=True` a microbatch of weight
@@ -171,9 +236,10 @@ def local_sums(
   collectives: fsdp's per-microbatch gathers); a microbatch run with weight 0
   then writes nothing to any reduction ("concat" rows stay 0, "last" keeps
   the last microbatch of weight > 0). Nothing is divided and nothing crosses
-  devices: `finish` (or make_train_step's reducer) does that. `keep`: shapes
-  that `PER_ROW` leaves average (see `_leaf_reductions`); `reductions` may be
-  a function of the outputs' abstract tree giving the reductions.
+  devices: `finish` (or make_train_step's reducer) does that. `PER_ROW`
+  leaves resolve by `per_row` (traced at twice the rows only when a leaf's
+  leading size is a microbatch's rows); `reductions` may be a function of the
+  outputs' abstract tree giving the reductions.
   """
   first = sp.take(0)
   closed, like = jax.make_jaxpr(lambda mbs: run(mbs, 0), return_shape=True)(first)
@@ -182,7 +248,8 @@ def local_sums(
   shapes, treedef = jax.tree.flatten(like)
   if callable(reductions):  # ja.microbatch's default: a tree built from the outputs' structure
     reductions = reductions(like)
-  reds = _leaf_reductions(reductions, like, rows=sp.rows, keep=keep)
+  probe = lambda rows: shapes_at(run, first, sp.axes, rows)
+  reds = _leaf_reductions(reductions, like, rows=sp.rows, probe=probe)
   _check_concat_rows(like, reds, sp.rows)
   ws = ws.astype(_wdtype(shapes, reds, accumulator_dtype))
   ok, wsum = jnp.all(_weight_ok(ws)), jnp.sum(ws)

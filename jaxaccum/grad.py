@@ -52,7 +52,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _per_device, _program, _unreduced
+from jaxaccum import _per_device, _program, _sums, _unreduced
 
 
 def _argnums_tuple(argnums) -> tuple[int, ...]:
@@ -106,12 +106,16 @@ def _check_reductions(aux_reductions) -> None:
     )
 
 
-def _aux_modes(aux_shapes, aux_reductions, rows):
-  """Per aux leaf: "mean", "sum" or "concat" (from `aux_reductions`, else the default rule)."""
+def _aux_modes(aux_shapes, aux_reductions, rows, aux_at):
+  """Per aux leaf: "mean", "sum" or "concat" (from `aux_reductions`, else the one per-example rule,
+  `_sums.per_row`: "concat" where the leaf's leading size follows the rows, `aux_at(rows)` its shapes)."""
   if aux_reductions is None:
-    return jax.tree.map(
-      lambda s: "concat" if s.ndim >= 1 and rows is not None and s.shape[0] == rows else "mean", aux_shapes
-    )
+    leaves, treedef = jax.tree.flatten(aux_shapes)
+    if rows is None:  # no argument sharded over the axis on its rows: nothing is per-row
+      return jax.tree.unflatten(treedef, ["mean"] * len(leaves))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(aux_shapes)]
+    reds = _sums.per_row([_sums.PER_ROW] * len(leaves), leaves, paths, rows, aux_at, "aux", "aux_reductions=")
+    return jax.tree.unflatten(treedef, reds)
   try:
     return jax.tree.broadcast(aux_reductions, aux_shapes)
   except (ValueError, TypeError) as e:
@@ -238,6 +242,7 @@ class _Args(NamedTuple):
   specs: list
   rows: int | None
   program: Any  # fun traced once on one device's shapes (`_program.Program` of the array leaves)
+  aux_at: Any  # rows -> aux's leaves as fun gives them at that many rows per device (traced again, abstractly)
 
 
 def _config(fun, argnums, axis_name, has_aux, weight_fn, key_argnum, aux_reductions) -> _Config:
@@ -283,7 +288,7 @@ def _call(cfg: _Config, args):
     probe = functools.partial(_probe, cfg, a)
     shapes = _trace(lambda: jax.eval_shape(smap(probe, out_specs=P(axis_name)), *arrays), axis_name)
     modes = _aux_modes(
-      jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes), cfg.aux_reductions, a.rows
+      jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes), cfg.aux_reductions, a.rows, a.aux_at
     )
   aux_specs = jax.tree.map(lambda m: P(axis_name) if m == "concat" else P(), modes) if cfg.has_aux else None
   out_specs = ((P(), aux_specs) if cfg.has_aux else P(), P(unreduced={axis_name}))
@@ -317,13 +322,22 @@ def _arguments(cfg: _Config, mesh, args) -> tuple[_Args, list]:
   # fun again.
   local = [jax.ShapeDtypeStruct(_local_shape(x, s, mesh), x.dtype) for x, s in zip(arrays, specs, strict=True)]
   rebuild = lambda xs: _rebuild(treedef, leaves, is_array, xs)
-  program = _trace(
-    lambda: _program.trace(
-      lambda *xs: cfg.fun(*rebuild(xs)), local, mesh=mesh, data_axes=tuple(mesh.axis_names), entry="ja.grad"
-    ),
-    axis_name,
+  traced = lambda shapes: _program.trace(
+    lambda *xs: cfg.fun(*rebuild(xs)), shapes, mesh=mesh, data_axes=tuple(mesh.axis_names), entry="ja.grad"
   )
-  return _Args(treedef, leaves, is_array, key_leaf, specs, rows, program), arrays
+  program = _trace(lambda: traced(local), axis_name)
+
+  def aux_at(at: int) -> list:
+    """aux's leaves with `at` rows per device on every argument split over the axis on its rows."""
+    on_rows = lambda s: len(s) and s[0] is not None and axis_name in _unreduced.names(s[0])
+    again = [
+      jax.ShapeDtypeStruct((at, *x.shape[1:]) if on_rows(s) else x.shape, x.dtype)
+      for x, s in zip(local, specs, strict=True)
+    ]
+    prog = traced(again)
+    return jax.tree.leaves(jax.tree.unflatten(prog.out_tree, prog.closed.out_avals)[1])
+
+  return _Args(treedef, leaves, is_array, key_leaf, specs, rows, program, aux_at), arrays
 
 
 def _rebuild(treedef, leaves, is_array, array_values):

@@ -708,19 +708,27 @@ def test_per_row_keys_and_a_sharded_parameter_without_set_mesh():
   chex.assert_trees_all_close(g, ref, rtol=RTOL, atol=0)
 
 
-def test_fun_is_traced_once_aux_included():
-  """ja.grad reads aux's per-device shapes and runs fun from one trace: fun's Python runs once per jit trace."""
+@pytest.mark.parametrize(
+  ("aux_reductions", "per_row", "traces"),
+  [(None, False, 1), ({"out": "concat"}, True, 1), (None, True, 2)],
+  ids=["no-rows-sized-aux", "named", "rows-sized-aux-default"],
+)
+def test_fun_is_traced_once_aux_included(aux_reductions, per_row, traces):
+  """ja.grad reads aux's per-device shapes and runs fun from one trace: fun's Python runs once per jit trace. The
+  one exception is the per-example default's look at a leaf as long as the rows (`_sums.per_row`): one more
+  abstract trace at twice the rows, only for such a leaf with no reduction named."""
   params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
   x, y = regression_data(jax.random.PRNGKey(3), 32)
   calls = []
 
   def loss(q, b):
     calls.append(1)
-    return mse_loss(q, b), {"per_row": jnp.sum(mlp_apply(q, b[0]), -1)}
+    out = jnp.sum(mlp_apply(q, b[0]), -1)
+    return mse_loss(q, b), {"out": out if per_row else jnp.mean(out)}
 
   mesh = explicit_mesh()
   with jax.set_mesh(mesh):
     p = jax.device_put(params, NamedSharding(mesh, P()))
     batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
-    jax.jit(ja.value_and_grad(loss, axis_name="data", has_aux=True)).lower(p, batch)
-  assert len(calls) == 1
+    jax.jit(ja.value_and_grad(loss, axis_name="data", has_aux=True, aux_reductions=aux_reductions)).lower(p, batch)
+  assert len(calls) == traces

@@ -722,3 +722,100 @@ def test_rows_per_microbatch_not_divisible_by_the_devices_is_named():
     # K=8 (1 row per device per microbatch) runs, and is the full batch's gradient.
     got = jax.jit(ja.microbatch(ja.grad(mse_loss, axis_name="data"), 8, axis_name="data"))(params, batch)
   chex.assert_trees_all_close(got, jax.grad(mse_loss)(params, (x, y)), rtol=RTOL)
+
+
+def test_equinox_gradient_with_none_leaves_and_a_rows_sized_leaf_is_averaged():
+  """Issue 38 (the Equinox way, exact at e619e36, then broken): eqx.filter_value_and_grad's gradient has None where
+  the model has int, bool and function leaves, so it does not mirror the model; its (8, 3) weight, 8 being also a
+  microbatch's rows, came back concatenated to (32, 3). The rule looks at whether a leaf follows the rows."""
+  import equinox as eqx
+
+  class Model(eqx.Module):
+    linear: eqx.nn.Linear  # weight (8, 3): 8 = a microbatch's rows below
+    head: jax.Array
+    steps: int = 2
+    use_bias: bool = True
+    act: object = jnp.tanh
+
+  model = Model(eqx.nn.Linear(3, 8, key=jax.random.PRNGKey(0), dtype=jnp.float64), jnp.ones((8,)) / 8)
+
+  def loss(m, x, y):
+    h = jax.vmap(m.linear)(x)
+    for _ in range(m.steps):
+      h = m.act(h) if m.use_bias else h
+    return jnp.mean((h @ m.head - y) ** 2)
+
+  x, y = jax.random.normal(jax.random.PRNGKey(1), (32, 3)), jax.random.normal(jax.random.PRNGKey(2), (32,))
+  value, grads = eqx.filter_value_and_grad(loss)(model, x, y)
+  got_value, got = eqx.filter_jit(ja.microbatch(eqx.filter_value_and_grad(loss), 4, batch_argnums=(1, 2)))(model, x, y)
+  np.testing.assert_allclose(got_value, value, rtol=1e-12)
+  assert got.linear.weight.shape == (8, 3)
+  chex.assert_trees_all_close(got, grads, rtol=1e-12, atol=1e-15)
+  updated = eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, got))  # "add got incompatible shapes" before
+  assert updated.linear.weight.shape == (8, 3)
+
+
+def test_nnx_tutorial_step_with_batchnorm_statistics_as_aux_inside_nnx_jit():
+  """Issue 38: the Flax nnx MNIST tutorial's train step (BatchNorm + Dropout, nnx.jit) ported as the guide says,
+  the batch statistics as aux, BatchNorm over as many features as a microbatch has rows. They came back
+  concatenated, and the next forward pass failed inside the model ("cannot reshape ..."). Exact against the
+  microbatches run one by one with jax.value_and_grad and averaged."""
+  from flax import nnx
+
+  features, k = 8, 4  # 32 rows, K=4: 8 rows per microbatch, as many as BatchNorm's features
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      kw = dict(dtype=jnp.float64, param_dtype=jnp.float64, rngs=rngs)
+      self.linear = nnx.Linear(3, features, **kw)
+      self.norm = nnx.BatchNorm(features, momentum=0.9, **kw)
+      self.norm.mean, self.norm.var = (
+        nnx.BatchStat(s[...].astype(jnp.float64)) for s in (self.norm.mean, self.norm.var)
+      )
+      self.dropout = nnx.Dropout(0.25)
+      self.out = nnx.Linear(features, 2, **kw)
+
+    def __call__(self, x, key):
+      h = self.dropout(nnx.relu(self.norm(self.linear(x))), rngs=key)
+      return self.out(h)
+
+  model = Net(nnx.Rngs(0))
+  graphdef, params0, stats0 = nnx.split(model, nnx.Param, nnx.BatchStat)
+  params0, stats0 = jax.tree.map(jnp.copy, (params0, stats0))  # the model's own arrays change as it trains
+  x, y = regression_data(jax.random.PRNGKey(3), 32, d_out=2)
+  key = jax.random.key(7)
+
+  def loss_with_stats(params, batch, key, stats):
+    m = nnx.merge(graphdef, params, stats, copy=True)
+    loss = jnp.mean((m(batch[0], key) - batch[1]) ** 2)
+    return loss, nnx.state(m, nnx.BatchStat)
+
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, batch, key):
+    _, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+    pure_loss_fn = lambda params, batch, key: loss_with_stats(params, batch, key, stats)  # the tutorial's closure
+    grad_fn = ja.microbatch(jax.value_and_grad(pure_loss_fn, has_aux=True), k, key_argnum=2)
+    (loss, new_stats), grads = grad_fn(params, batch, key)
+    optimizer.update(model, grads)
+    nnx.update(model, new_stats)
+    return loss
+
+  losses = [train_step(model, optimizer, (x, y), jax.random.fold_in(key, t)) for t in range(2)]
+
+  params, stats = params0, stats0  # the reference: microbatch i = rows i, i+K, ..., key fold_in(key_t, i)
+  for t in range(2):
+    outs = [
+      jax.value_and_grad(loss_with_stats, has_aux=True)(
+        params, (x[i::k], y[i::k]), jax.random.fold_in(jax.random.fold_in(key, t), i), stats
+      )
+      for i in range(k)
+    ]
+    (loss, new_stats), grads = jax.tree.map(lambda *v: sum(v) / k, *outs)
+    params = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    stats = new_stats
+    np.testing.assert_allclose(losses[t], loss, rtol=1e-12)
+  _, got_params, got_stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+  chex.assert_trees_all_close(got_params, params, rtol=1e-12, atol=1e-15)
+  chex.assert_trees_all_close(got_stats, stats, rtol=1e-12, atol=1e-15)

@@ -937,3 +937,56 @@ def test_per_example_aux_has_one_default_across_entry_points():
   per_row = lambda p, b: loss(p, b)  # micro_grad: every aux is per example, a batch of one each
   _, out = jax.jit(ja.micro_grad(per_row, has_aux=True, num_microbatches=4, keep_batch_dim=False))(params, (x, y))
   np.testing.assert_allclose(out.aux["err"], aux["err"], rtol=RTOL)
+
+
+def test_per_example_default_follows_the_rows_never_one_size():
+  """Issue 38: a per-class vector as long as a microbatch (or a device's rows) is averaged, at every K and on every
+  entry point; logits (rows first) are concatenated in row order. Before, the vector came back concatenated
+  wherever its length happened to equal the rows (K=8 here) and averaged elsewhere (K=4)."""
+  from jax.sharding import AxisType, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  classes = 4
+  params = {"w": jax.random.normal(jax.random.PRNGKey(0), (3, classes)) / 2}
+  x = jax.random.normal(jax.random.PRNGKey(1), (32, 3))
+  labels = jax.random.randint(jax.random.PRNGKey(2), (32,), 0, classes)
+
+  def loss(p, batch):
+    logits = batch[0] @ p["w"]
+    value = optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+    freq = jnp.mean(jax.nn.one_hot(batch[1], classes, dtype=logits.dtype), axis=0)  # (classes,): not per example
+    return value, {"logits": logits, "class_freq": freq}
+
+  (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(params, (x, labels))  # plain float64, full batch
+
+  def check(got, where):
+    chex.assert_trees_all_close(got, aux, rtol=RTOL, atol=1e-15, custom_message=where)
+
+  opt = optax.sgd(0.1)
+  for mesh, k in ((None, 8), (None, 4), (ja.data_mesh(devices=jax.devices()[:4]), 2)):  # rows 4 = classes, then 8
+    step = ja.make_train_step(loss, opt, num_microbatches=k, mesh=mesh, has_aux=True, donate=False)
+    check(step(params, opt.init(params), (x, labels))[2]["aux"], f"make_train_step K={k} mesh={mesh}")
+  for k in (8, 4):
+    (_, got), g = jax.jit(ja.microbatch(jax.value_and_grad(loss, has_aux=True), k))(params, (x, labels))
+    check(got, f"ja.microbatch K={k}")
+    chex.assert_trees_all_close(g, grads, rtol=RTOL, atol=1e-15)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  with jax.set_mesh(mesh):  # 4 rows per device
+    batch = jax.device_put((x, labels), NamedSharding(mesh, P("data")))
+    (_, got), _ = jax.jit(ja.value_and_grad(loss, axis_name="data", has_aux=True))(params, batch)
+  check(got, "ja.value_and_grad")
+
+
+def test_a_leaf_whose_size_changes_with_the_rows_otherwise_is_refused_by_name(problem):
+  """Neither per-example nor one value per microbatch: the default cannot choose, and says what to name."""
+  params, _, (x, y) = problem
+
+  def loss(p, batch):
+    value = mse_loss(p, batch)
+    rows = batch[0].shape[0]
+    return value, {"value": value, "tiled": jnp.tile(batch[0][:, 0], rows // 12)}  # 12 at 12 rows, 48 at 24
+
+  with pytest.raises(ValueError, match=r"aux\['tiled'\] has shape \(12,\) at 12 rows .* \(48,\) at 24.*aux_reductions"):
+    ja.make_train_step(loss, optax.sgd(0.1), num_microbatches=10, has_aux=True)(
+      params, optax.sgd(0.1).init(params), (x, y)
+    )
