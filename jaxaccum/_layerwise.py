@@ -87,9 +87,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
-from jaxaccum import parallel
+from jaxaccum import _jax_private, parallel
 
 # Equations whose VJP needs none of the primal inputs (only their types): the
 # gather-and-apply saves nothing but the shard for them (a bias add).
@@ -284,7 +284,7 @@ class _Ctx(NamedTuple):
   scale: Any = None  # a scalar per device (or None): each parameter gradient's factor, applied before the scatter
 
 
-def _on_block(fn, shard, other: tuple, axis: str):
+def _on_block(fn, shard, other: tuple, axis: str, *, every_explicit: bool = False):
   """`fn` (a collective over the manual data axis) on each device's block over the other mesh axes.
 
   A leaf that other axes (e.g. "model") shard too runs its data-axis collective
@@ -294,18 +294,26 @@ def _on_block(fn, shard, other: tuple, axis: str):
   sharded over other Explicit axes, see a plain local array. `other`: the
   leaf's entries over those axes (from the step's layout); on Explicit meshes
   the shard's type tells them too.
+
+  `every_explicit` (the reduce-scatter): manual over every Explicit axis the
+  mesh leaves free as well, those the leaf is replicated over included (no
+  data moves for them). JAX 0.11 and 0.12 lower `psum_scatter` only where no
+  mesh axis is Explicit: its reducer's scalar type keeps the operand's spec
+  ("Length of sharding.spec (1) must be equal to aval's ndim (0)").
   """
   entries = list(other)
   if not any(e is not None for e in entries):
     spec = getattr(getattr(jax.typeof(shard), "sharding", None), "spec", None)
     entries = [] if spec is None else list(spec)
   names = {n for e in entries if e is not None for n in ((e,) if isinstance(e, str) else e)}
+  mesh = jax.sharding.get_abstract_mesh()
+  if every_explicit and not mesh.empty:
+    names |= {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit}
   if not names:
     return fn
   spec = PartitionSpec(*entries)
   # Typed as the enclosing shard_map types (make_train_step's is untyped): mixed, the types disagree.
   check = parallel.vma_tracking(axis)
-  mesh = jax.sharding.get_abstract_mesh()
   return jax.shard_map(fn, mesh=mesh, axis_names=names, in_specs=spec, out_specs=spec, check_vma=check)
 
 
@@ -324,9 +332,10 @@ def _scatter(ctx, ct, lz, shard):
   if ctx.keep is not None:
     # Exactly 0 from a device whose microbatch does not count (an all-padding one: NaN loss).
     ct = jnp.where(ctx.keep, ct, jnp.zeros((), ct.dtype))
+  on_block = _on_block(scatter, shard, lz.other, ctx.axis, every_explicit=True)
   if ctx.wire is not None:
-    return _on_block(scatter, shard, lz.other, ctx.axis)(ct.astype(ctx.wire)).astype(shard.dtype)
-  return _on_block(scatter, shard, lz.other, ctx.axis)(ct)
+    return on_block(ct.astype(ctx.wire)).astype(shard.dtype)
+  return on_block(ct)
 
 
 def _gather_apply(ctx, fn: Callable, invals: list, *, linear: bool = False) -> list:
@@ -590,7 +599,7 @@ def _scan(ctx, eqn, invals):
   layerwise).
   """
   p = eqn.params
-  nc, ncar = p["num_consts"], p["num_carry"]
+  nc, ncar = _jax_private.scan_layout(p)
   closed = p["jaxpr"]
   consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
   if any(isinstance(x, _Lazy) for x in carry):

@@ -34,16 +34,10 @@ import re
 
 import jax
 import numpy as np
-
-# jax internals used by the rewrite (the public jaxpr types lack constructors for equations and contexts).
-from jax._src import ad_util as _ad_util  # noqa: PLC2701
-from jax._src import config as _config  # noqa: PLC2701
-from jax._src import core as _core  # noqa: PLC2701
-from jax._src import linear_util as _lu  # noqa: PLC2701
-from jax._src import literals as _literals  # noqa: PLC2701
-from jax._src import mesh as _mesh_lib  # noqa: PLC2701
 from jax.extend import core as jex_core
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxaccum import _jax_private
 
 # Parameters that name axes made manual (shard_map); collectives' axes (psum's "axes", all_gather's "axis_name").
 _MANUAL_PARAMS = ("newly_manual_axes", "manual_axes")
@@ -90,7 +84,8 @@ class Program:
 def trace_mesh(mesh, data_axes):
   """The abstract mesh the loss is traced under: the step's, with every data axis of size 1 if any is Explicit."""
   abstract = mesh.abstract_mesh
-  if not any(abstract._name_to_type[a] == AxisType.Explicit for a in data_axes):
+  types = dict(zip(abstract.axis_names, abstract.axis_types, strict=True))
+  if not any(types[a] == AxisType.Explicit for a in data_axes):
     return abstract
   sizes = tuple(1 if n in data_axes else s for n, s in zip(abstract.axis_names, abstract.axis_sizes, strict=True))
   return abstract.update(axis_sizes=sizes)
@@ -145,7 +140,10 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), entry: str = "make_tra
   # axes are what lets an Explicit annotation divide one device's rows.
   try:
     with jax.sharding.use_abstract_mesh(_EMPTY), jax.sharding.use_abstract_mesh(at):
-      closed = jax.make_jaxpr(flat)(*leaves)
+      # The data axes bound, at their sizes in the step's mesh: a collective the model itself runs over one
+      # (Flax's synchronized BatchNorm, a psum of a token count) means inside the map what it means in the
+      # user's own shard_map, where they are bound the same way.
+      closed = jax.make_jaxpr(flat, axis_env=[(a, mesh.shape[a]) for a in data_axes])(*leaves)
   except Exception as e:
     explained = explain_trace_error(e, mesh, data_axes, entry)
     if explained is None:
@@ -311,6 +309,7 @@ class _Localiser:
     self.inside, self.data, self.at = inside, frozenset(data_axes), at
     self.vars: dict = {}
     self.meshes: dict = {}
+    self.contexts: dict = {}
 
   def mesh(self, m):
     """The mesh `m` (a trace-time mesh, concrete or abstract) as seen inside the map, its manual axes kept."""
@@ -325,7 +324,7 @@ class _Localiser:
           f"the loss names a mesh with axes {key.axis_names}, but it runs on the step's mesh with axes "
           f"{self.inside.axis_names}: annotate with the step's mesh (or its axis names)"
         )
-      manual = {n: AxisType.Manual for n in key.axis_names if key._name_to_type[n] == AxisType.Manual}
+      manual = {n: AxisType.Manual for n, t in zip(key.axis_names, key.axis_types, strict=True) if t == AxisType.Manual}
       got = self.meshes[key] = self.inside.update_axis_types(manual) if manual else self.inside
     return got
 
@@ -338,7 +337,7 @@ class _Localiser:
     return s
 
   def aval(self, a):
-    if not isinstance(a, _core.ShapedArray):
+    if not isinstance(a, jax.core.ShapedArray):
       return a
     sharding = a.sharding
     mat = a.manual_axis_type
@@ -346,7 +345,7 @@ class _Localiser:
       sharding = self.sharding(sharding)
     elif not self.inside.empty:
       return a
-    mat = _core.ManualAxisType(
+    mat = _jax_private.ManualAxisType(
       varying=mat.varying - self.data, unreduced=mat.unreduced - self.data, reduced=mat.reduced - self.data
     )
     return a.update(sharding=sharding, manual_axis_type=mat)
@@ -354,16 +353,16 @@ class _Localiser:
   def const(self, x):
     """A constant of the trace, its type localised: a literal's host array carries the trace's mesh in its aval
     (a trace inside a caller's shard_map, ja.diloco_train_step's)."""
-    if isinstance(x, _literals.TypedNdArray):
-      return _literals.TypedNdArray(np.asarray(x), self.aval(x.aval))
+    if isinstance(x, _jax_private.TypedNdArray):
+      return _jax_private.TypedNdArray(np.asarray(x), self.aval(x.aval))
     return x
 
   def var(self, v):
-    if isinstance(v, _core.Literal):
-      return _core.Literal(self.const(v.val), self.aval(v.aval))
+    if isinstance(v, jex_core.Literal):
+      return jex_core.Literal(self.const(v.val), self.aval(v.aval))
     got = self.vars.get(v)
     if got is None:
-      got = self.vars[v] = _core.Var(self.aval(v.aval), v.initial_qdd, v.final_qdd)
+      got = self.vars[v] = _jax_private.new_var(self.aval(v.aval), v)
     return got
 
   def closed(self, c):
@@ -379,7 +378,7 @@ class _Localiser:
 
   def eqn(self, e):
     params = {k: self.param(k, v) for k, v in e.params.items()}
-    return _core.new_jaxpr_eqn(
+    return jex_core.new_jaxpr_eqn(
       [self.var(v) for v in e.invars],
       [self.var(v) for v in e.outvars],
       e.primitive,
@@ -390,21 +389,18 @@ class _Localiser:
     )
 
   def ctx(self, ctx):
-    m = ctx.cur_abstract_mesh
-    return _core.JaxprEqnContext._create(
-      ctx.compute_type,
-      ctx.threefry_partitionable,
-      self.mesh(m) if not m.empty else self.inside,
-      ctx.remove_size_one_mesh_axis,
-      None if ctx.xla_metadata is None else tuple(sorted(ctx.xla_metadata.items())),
-    )
+    got = self.contexts.get(ctx)  # contexts are interned: one rebuilt per distinct one
+    if got is None:
+      m = ctx.cur_abstract_mesh
+      got = self.contexts[ctx] = _jax_private.eqn_context(ctx, self.mesh(m) if not m.empty else self.inside)
+    return got
 
   def param(self, name, v):
     if name in _MANUAL_PARAMS and isinstance(v, (frozenset, set, tuple)):
       return type(v)(a for a in v if a not in self.data)
-    if name in _RULE_THUNKS and isinstance(v, _lu.WrappedFun):
+    if name in _RULE_THUNKS and isinstance(v, _jax_private.WrappedFun):
       return self.rule(v)
-    if name == "bwd" and isinstance(v, _lu.WrappedFun):
+    if name == "bwd" and isinstance(v, _jax_private.WrappedFun):
       return self.bwd(v)
     return self.value(v)
 
@@ -419,13 +415,11 @@ class _Localiser:
     avals = next((static[1] for gen, static in bwd.transforms if getattr(gen, "__name__", "") == "_flatten_bwd"), None)
     local = None if avals is None else [self.aval(a) for a in avals]
 
-    def run(*args):
-      with _config.disable_bwd_checks(True):
-        outs = list(bwd.call_wrapped(*args))
+    def check(outs):
       for i, o in enumerate(outs):
         want = None if local is None or i >= len(local) else local[i].to_ct_aval()
-        if isinstance(o, _ad_util.Zero):
-          outs[i] = _ad_util.Zero(self.aval(o.aval) if want is None else want)
+        if isinstance(o, _jax_private.Zero):
+          outs[i] = _jax_private.Zero(self.aval(o.aval) if want is None else want)
         elif want is not None and (jax.numpy.shape(o) != want.shape or jax.numpy.result_type(o) != want.dtype):
           raise ValueError(
             f"Custom VJP bwd rule must produce an output with the same type as the args tuple of the primal "
@@ -434,7 +428,11 @@ class _Localiser:
           )
       return outs
 
-    return _lu.wrap_init(run, debug_info=bwd.debug_info)
+    def run(*args):
+      with _jax_private.disable_bwd_checks():
+        return _jax_private.call_flat_bwd(bwd, args, check)
+
+    return _jax_private.wrap_init(run, debug_info=bwd.debug_info)
 
   def rule(self, thunk):
     """A custom_jvp's jvp / custom_vjp's fwd thunk: traced under the trace's mesh, its jaxpr localised.
@@ -449,7 +447,7 @@ class _Localiser:
         jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
       return (_Localiser(self.inside, self.data, self.at).jaxpr(jaxpr), consts, *rest)
 
-    return _lu.wrap_init(traced, debug_info=thunk.debug_info)
+    return _jax_private.wrap_init(traced, debug_info=thunk.debug_info)
 
   def value(self, v):
     if isinstance(v, jex_core.ClosedJaxpr):
@@ -460,9 +458,9 @@ class _Localiser:
       return self.sharding(v)
     if isinstance(v, PartitionSpec):
       return self.spec(v)
-    if isinstance(v, (_mesh_lib.Mesh, _mesh_lib.AbstractMesh)):
+    if isinstance(v, (Mesh, AbstractMesh)):
       return self.mesh(v)
-    if isinstance(v, _core.ShapedArray):
+    if isinstance(v, jax.core.ShapedArray):
       return self.aval(v)
     if type(v) in (tuple, list):  # not a NamedTuple (a PRNG implementation, a config): those are kept
       return type(v)(self.value(x) for x in v)

@@ -316,9 +316,10 @@ def _zeros(s, dtype, shape=None):
     entries = list(sharding.spec) + [None] * (len(s.shape) - len(sharding.spec))
     if shape is not None and shape != s.shape:
       entries = [entries[0], None, *entries[1:]] if s.shape else [None]
-    z = jnp.zeros(
-      s.shape if shape is None else shape, dtype, out_sharding=NamedSharding(sharding.mesh, PartitionSpec(*entries))
-    )
+    with _unreduced.creating_on(sharding.mesh):  # under the user's jit with no mesh set: JAX 0.11+ needs it set
+      z = jnp.zeros(
+        s.shape if shape is None else shape, dtype, out_sharding=NamedSharding(sharding.mesh, PartitionSpec(*entries))
+      )
   else:
     z = jnp.zeros(s.shape if shape is None else shape, dtype)
   axes = tuple(sorted((parallel._varying_axes(s) or frozenset()) - (parallel._varying_axes(z) or frozenset())))

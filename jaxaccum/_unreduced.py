@@ -179,7 +179,23 @@ def zeros_like(s, dtype) -> jax.Array:
 def zeros(shape, dtype, mesh, axis_name) -> jax.Array:
   """Zeros typed unreduced over `axis_name`: the start of an unreduced accumulator."""
   spec = P(unreduced=set(names(axis_name)))
-  return jnp.zeros(shape, dtype, out_sharding=NamedSharding(mesh, spec) if mesh is not None else spec)
+  if mesh is None:
+    return jnp.zeros(shape, dtype, out_sharding=spec)
+  with creating_on(mesh):
+    return jnp.zeros(shape, dtype, out_sharding=NamedSharding(mesh, spec))
+
+
+def creating_on(mesh):
+  """A context for creating an array from nothing (`jnp.zeros`) with `out_sharding=NamedSharding(mesh, ...)`.
+
+  `mesh` set as the context's when it is abstract (a tracer's, under the user's jit) and no mesh is set: from
+  JAX 0.11 an `out_sharding` whose mesh neither the context nor an operand has is dropped (replicated zeros,
+  an unreduced accumulator that is not one). Else nothing: a concrete mesh (eager) places the array itself.
+  """
+  current = jax.sharding.get_abstract_mesh()
+  if isinstance(mesh, jax.sharding.AbstractMesh) and not mesh.empty and (current is None or current.empty):
+    return jax.sharding.use_abstract_mesh(mesh)
+  return contextlib.nullcontext()
 
 
 def scale(x, weight, axis_name):

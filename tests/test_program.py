@@ -346,3 +346,100 @@ def test_an_explicit_mesh_assert_of_the_rows_layout_holds_as_in_plain_jit(strate
     g = jax.device_get(jax.jit(jax.grad(wsc_assert_loss))(jax.device_put(params, NamedSharding(mesh, P())), placed))
   want = jax.tree.map(lambda p, g: p - LR * g, params, g)
   chex.assert_trees_all_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- collectives inside the loss (issue 38)
+
+
+class _SyncBNNet(nn.Module):
+  """Flax's ImageNet example's normalisation: BatchNorm in training mode synchronised over the data axis."""
+
+  axis: str | None = "batch"
+
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(dtype=jnp.float64, param_dtype=jnp.float64)
+    x = nn.Dense(8, **kw)(x)
+    x = nn.BatchNorm(use_running_average=False, axis_name=self.axis, momentum=0.9, **kw)(x)
+    return nn.Dense(2, **kw)(nn.relu(x))
+
+
+def _sync_bn_loss(params, stats, batch):
+  out, new = _SyncBNNet().apply({"params": params, "batch_stats": stats}, batch[0], mutable=["batch_stats"])
+  return jnp.mean((out - batch[1]) ** 2), new["batch_stats"]
+
+
+def _sync_bn_reference(params, stats, x, y, devices, k, lr):
+  """The pmap port (Flax's ImageNet example): device d's microbatch i = rows i, i+K, ... of its block; the
+  gradients pmean'd over devices and averaged over microbatches, the new statistics averaged the same way."""
+  grad = jax.pmap(jax.value_and_grad(_sync_bn_loss, has_aux=True), axis_name="batch", in_axes=(None, None, 0))
+  xs, ys = np.asarray(x).reshape(devices, -1, x.shape[-1]), np.asarray(y).reshape(devices, -1, y.shape[-1])
+  outs = [grad(params, stats, (xs[:, i::k], ys[:, i::k])) for i in range(k)]
+  (loss, new_stats), grads = jax.tree.map(lambda *v: np.mean([np.asarray(a).mean(0) for a in v], 0), *outs)
+  return jax.tree.map(lambda p, g: np.asarray(p) - lr * g, params, grads), new_stats, loss
+
+
+@pytest.mark.parametrize(
+  ("strategy", "kind", "k"),
+  smoke(
+    [(s, t, k) for s in ("ddp", "zero1", "fsdp", "fsdp-once", "hsdp") for t in ("explicit", "auto") for k in (1, 2)],
+    keep=[("ddp", "explicit", 2), ("fsdp", "auto", 2), ("hsdp", "explicit", 1)],
+  ),
+)
+def test_sync_batchnorm_over_the_data_axis_runs_as_in_the_users_shard_map(strategy, kind, k):
+  """Issue 38: the loss is traced with the data axes bound at their sizes, so a collective the model runs over
+  one (pmean inside nn.BatchNorm(axis_name=...)) means what it means under pmap; before, tracing it failed with
+  "unbound axis name". Exact against the pmap port."""
+  axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
+  x, y = regression_data(jax.random.PRNGKey(4), 32, d_out=2)
+  variables = _SyncBNNet(axis=None).init(jax.random.PRNGKey(2), x[:4])
+  params = variables["params"]
+  stats = jax.tree.map(lambda s: s.astype(jnp.float64), variables["batch_stats"])
+  devices, lr = 4, 0.1
+  want_p, want_s, want_loss = _sync_bn_reference(params, stats, x, y, devices, k, lr)
+  if strategy == "hsdp":  # the data axis "batch" is two axes: replicas x shards, 2 x 2
+    mesh = jax.make_mesh((2, 2), ("rep", "batch"), axis_types=(axis_type,) * 2, devices=jax.devices()[:4])
+    loss = lambda p, s, b: _sync_bn_loss_over(p, s, b, ("rep", "batch"))
+    opts = dict(strategy="hsdp", data_axis=("rep", "batch"))
+  else:
+    mesh = jax.make_mesh((devices,), ("batch",), axis_types=(axis_type,), devices=jax.devices()[:devices])
+    loss = _sync_bn_loss
+    gather = "once" if strategy == "fsdp-once" else "per_microbatch"
+    opts = dict(strategy=strategy.removesuffix("-once"), data_axis="batch", fsdp_gather=gather)
+    opts = opts if strategy.startswith("fsdp") else {k_: v for k_, v in opts.items() if k_ != "fsdp_gather"}
+  opt = optax.sgd(lr)
+  step = ja.make_train_step(loss, opt, num_microbatches=k, mesh=mesh, has_state=True, donate=False, **opts)
+  p, o = ja.shard_train_state(params, opt, mesh, strategy=opts["strategy"], data_axis=opts["data_axis"])
+  p, s, _, metrics = step(p, stats, o, (x, y))
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, p), want_p, rtol=1e-12, atol=1e-14)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, s), want_s, rtol=1e-12, atol=1e-14)
+  np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=1e-12)
+
+
+def _sync_bn_loss_over(params, stats, batch, axes):
+  """The same model normalised over a tuple of axes (hsdp's replicas x shards: every device of the data axes)."""
+
+  class Net(_SyncBNNet):
+    axis: str | tuple | None = axes
+
+  out, new = Net().apply({"params": params, "batch_stats": stats}, batch[0], mutable=["batch_stats"])
+  return jnp.mean((out - batch[1]) ** 2), new["batch_stats"]
+
+
+def test_sync_batchnorm_under_ja_grad_on_an_explicit_mesh():
+  """The same model through ja.value_and_grad in the user's own jit: the statistics come back as aux."""
+  x, y = regression_data(jax.random.PRNGKey(4), 32, d_out=2)
+  variables = _SyncBNNet(axis=None).init(jax.random.PRNGKey(2), x[:4])
+  params = variables["params"]
+  stats = jax.tree.map(lambda s: s.astype(jnp.float64), variables["batch_stats"])
+  want_p, want_s, want_loss = _sync_bn_reference(params, stats, x, y, 4, 1, 1.0)
+  want_g = jax.tree.map(lambda p, q: np.asarray(p) - q, params, want_p)  # lr 1: the gradient
+  mesh = jax.make_mesh((4,), ("batch",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
+  with jax.set_mesh(mesh):
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("batch")))
+    fn = ja.value_and_grad(lambda p, b, s: _sync_bn_loss(p, s, b), axis_name="batch", has_aux=True)
+    (loss, new_stats), grads = jax.jit(fn)(params, batch, stats)
+    grads = jax.jit(lambda g: jax.tree.map(lambda v: jax.reshard(v, P()), g))(grads)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, grads), want_g, rtol=1e-10, atol=1e-14)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, new_stats), want_s, rtol=1e-12, atol=1e-14)
+  np.testing.assert_allclose(float(loss), want_loss, rtol=1e-12)
