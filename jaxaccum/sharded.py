@@ -444,7 +444,17 @@ def _groups(items, key):
   return out.values()
 
 
-def _auto_other(fn, leaf, axis):
+def _free_explicit() -> set:
+  """The Explicit axes of the context mesh (those the enclosing map leaves free)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return (
+    set()
+    if mesh.empty
+    else {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit}
+  )
+
+
+def _auto_other(fn, leaf, axis, *, every_explicit: bool = False):
   """`fn` (a collective over the manual `axis`) on a leaf that other mesh axes (e.g. "model") also shard.
 
   Run inside a `jax.shard_map` manual over those axes too, on each device's
@@ -452,9 +462,14 @@ def _auto_other(fn, leaf, axis):
   the partitioner, it replicates the operand over "model" first and sends
   twice the bytes), and JAX's collectives, which take no operand typed as
   sharded over other Explicit axes, see a plain local array.
+  `every_explicit` (a reduce-scatter): manual over every free Explicit axis as
+  well (no data moves for those the leaf is replicated over): JAX 0.11 and
+  0.12 lower `psum_scatter` only where no mesh axis is Explicit.
   """
   entries = [None if axis in _names(e) or e is PartitionSpec.UNCONSTRAINED else e for e in leaf.param_spec]
   others = {n for e in entries for n in _names(e)}
+  if every_explicit:
+    others |= _free_explicit()
   if not others:
     return fn
   spec = _spec(entries)
@@ -476,13 +491,20 @@ def _reduce_scatter(xs, leaves, axis, size, wire):
     w = jnp.dtype(wire) if wire is not None else x.dtype
     if leaf.other:
       rs = lambda y, d=leaf.dim: lax.psum_scatter(y, axis, scatter_dimension=d, tiled=True)
-      out[j] = _auto_other(rs, leaf, axis)(x.astype(w)).astype(x.dtype)
+      out[j] = _auto_other(rs, leaf, axis, every_explicit=True)(x.astype(w)).astype(x.dtype)
     else:
       packable.append((j, w))
   for group in _groups(packable, key=lambda jw: jw[1]):
     # Row p of the buffer holds block p of every leaf (dim moved to the front and flattened).
     rows = [jnp.moveaxis(xs[j], leaves[j].dim, 0).astype(w).reshape(size, -1) for j, w in group]
-    mine = lax.psum_scatter(jnp.concatenate(rows, axis=1), axis, scatter_dimension=0, tiled=False)
+    scatter = lambda buf: lax.psum_scatter(buf, axis, scatter_dimension=0, tiled=False)
+    if free := _free_explicit():  # see `_auto_other`: the buffer is replicated over them, nothing moves
+      mesh = jax.sharding.get_abstract_mesh()
+      check = parallel.vma_tracking(axis)
+      scatter = jax.shard_map(
+        scatter, mesh=mesh, axis_names=free, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=check
+      )
+    mine = scatter(jnp.concatenate(rows, axis=1))
     offset = 0
     for (j, _), row in zip(group, rows, strict=True):
       x, dim = xs[j], leaves[j].dim
