@@ -266,17 +266,21 @@ _TRIP = re.compile(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
 _BRANCH_KINDS = ("true_computation", "false_computation", "branch_computations")
 
 
-def per_call(hlo_text: str, num_devices: int | None = None, branches: str = "all") -> dict[str, dict[str, float]]:
-  """{opcode: {"count", "bytes"}}: collective executions per call and ring bytes sent per device.
+def _ring(opcode: str, nbytes: int, n: int) -> float:
+  """Bytes one device sends for one execution of `opcode` with a result of `nbytes` in groups of `n`."""
+  if opcode == "all-gather":
+    return nbytes // n * (n - 1)
+  if opcode == "reduce-scatter":
+    return nbytes * (n - 1)
+  if opcode == "all-reduce":
+    return 2 * (n - 1) * nbytes / n
+  return nbytes
 
-  Every instruction reachable from the entry counts once per time its computation
-  runs: a while body runs its known trip count times per run of the loop (nested
-  loops multiply; a loop whose trip count XLA does not record counts once), a
-  conditional branch once if `branches == "all"` (as if taken) and not at all if
-  `branches == "none"`. Ring bytes as in `Collective.ring_bytes`.
-  """
+
+def _executions(hlo_text: str, branches: str) -> list[tuple[str, str, int, int]]:
+  """[(opcode, instruction line, result bytes, executions per call)] of every collective reachable from the entry."""
   computations, entry = _instructions(hlo_text)
-  found: list = []  # (opcode, groups, result bytes, executions)
+  found: list[tuple[str, str, int, int]] = []
 
   def visit(name, times, depth):
     if name not in computations or depth > 64:
@@ -288,7 +292,7 @@ def per_call(hlo_text: str, num_devices: int | None = None, branches: str = "all
         # A synchronous collective's result may be a tuple (leaves packed into one instruction): all of it.
         # An async start returns (operands..., results...): the result is the last array.
         nbytes = _array_bytes(result) if base == opcode else _array_bytes("{}[{}]".format(*arrays[-1])) if arrays else 0
-        found.append((base, _groups(line), nbytes, times))
+        found.append((base, line, nbytes, times))
       trip = _TRIP.search(line) if opcode == "while" else None
       for kind, target in called:
         if kind == "condition" or (kind in _BRANCH_KINDS and branches == "none"):
@@ -297,19 +301,95 @@ def per_call(hlo_text: str, num_devices: int | None = None, branches: str = "all
 
   if entry is not None:
     visit(entry, 1, 0)
+  return found
+
+
+def per_call(hlo_text: str, num_devices: int | None = None, branches: str = "all") -> dict[str, dict[str, float]]:
+  """{opcode: {"count", "bytes"}}: collective executions per call and ring bytes sent per device.
+
+  Every instruction reachable from the entry counts once per time its computation
+  runs: a while body runs its known trip count times per run of the loop (nested
+  loops multiply; a loop whose trip count XLA does not record counts once), a
+  conditional branch once if `branches == "all"` (as if taken) and not at all if
+  `branches == "none"`. Ring bytes as in `Collective.ring_bytes`.
+  """
+  found = [(opcode, _groups(line), nbytes, times) for opcode, line, nbytes, times in _executions(hlo_text, branches)]
   biggest = max((max(max(g) for g in groups) + 1 for _, groups, _, _ in found if groups), default=1)
   out: dict[str, dict[str, float]] = {}
   for opcode, groups, nbytes, times in found:
     n = len(next(iter(groups))) if groups else (num_devices or biggest)
-    if opcode == "all-gather":
-      ring: float = nbytes // n * (n - 1)
-    elif opcode == "reduce-scatter":
-      ring = nbytes * (n - 1)
-    elif opcode == "all-reduce":
-      ring = 2 * (n - 1) * nbytes / n
-    else:
-      ring = nbytes
     slot = out.setdefault(opcode, {"count": 0, "bytes": 0.0})
     slot["count"] += times
-    slot["bytes"] += times * ring
+    slot["bytes"] += times * _ring(opcode, nbytes, n)
   return out
+
+
+# --------------------------------------------------------------------------- the mesh axes a collective spans
+
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9,\s]*\},?\s*)*)\}")
+
+AxisKey = str | tuple[str, ...]
+
+
+def _pairs(line: str) -> list[tuple[int, int]]:
+  """A collective-permute's `source_target_pairs={{0,1},{1,0}}` as [(source, target)]."""
+  m = _PAIRS.search(line)
+  if not m:
+    return []
+  rows = (row.split(",") for row in re.findall(r"\{([0-9,\s]*)\}", m.group(1)))
+  return [(int(r[0]), int(r[1])) for r in rows if len(r) == 2]
+
+
+def spanned_axes(opcode: str, line: str, coords: np.ndarray, names: tuple[str, ...]) -> AxisKey:
+  """The mesh axes along which the devices of one collective's groups differ.
+
+  `coords[i]` is the mesh coordinate of logical device id `i` (the ids XLA's
+  replica groups name). A collective-permute's groups are its source/target
+  pairs; an instruction that names no groups spans every device. Returns `()`
+  when no axis varies (groups of one device), the axis name for one axis, and
+  a tuple of names in mesh order for several. Raises ValueError for an id
+  with no coordinate.
+  """
+  groups: list[list[int]]
+  if opcode == "collective-permute":
+    groups = [[s, t] for s, t in _pairs(line)]
+  else:
+    named = _groups(line)
+    groups = [list(range(len(coords)))] if named is None else [sorted(g) for g in named]
+  varying: set[int] = set()
+  for group in groups:
+    bad = [i for i in group if not 0 <= i < len(coords)]
+    if bad:
+      raise ValueError(
+        f"mesh has {len(coords)} devices, but a {opcode} of the compiled step names device id {bad[0]}: "
+        "pass the mesh the step was compiled for"
+      )
+    at = coords[group]
+    varying.update(int(d) for d in np.flatnonzero((at != at[0]).any(axis=0)))
+  axes = tuple(names[d] for d in sorted(varying))
+  return axes[0] if len(axes) == 1 else axes
+
+
+def per_call_by_axis(
+  hlo_text: str, coords: np.ndarray, names: tuple[str, ...], num_devices: int | None = None, branches: str = "all"
+) -> dict[AxisKey, dict[str, dict[str, float]]]:
+  """{axes: {opcode: {"count", "bytes"}}}: `per_call` split by the mesh axes each collective spans.
+
+  `coords` and `names` as in `spanned_axes`; an instruction that names no
+  groups has `num_devices` devices (default: `len(coords)`).
+  """
+  out: dict[AxisKey, dict[str, dict[str, float]]] = {}
+  for opcode, line, nbytes, times in _executions(hlo_text, branches):
+    axes = spanned_axes(opcode, line, coords, names)
+    groups = _groups(line)
+    n = len(next(iter(groups))) if groups else (num_devices or len(coords))
+    slot = out.setdefault(axes, {}).setdefault(opcode, {"count": 0, "bytes": 0.0})
+    slot["count"] += times
+    slot["bytes"] += times * _ring(opcode, nbytes, n)
+  order = {name: i for i, name in enumerate(names)}
+
+  def rank(axes: AxisKey) -> tuple[int, list[int]]:
+    t = (axes,) if isinstance(axes, str) else axes
+    return len(t), [order[a] for a in t]
+
+  return {axes: out[axes] for axes in sorted(out, key=rank)}

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType
@@ -103,3 +104,126 @@ def test_mesh_form_replica_groups_are_the_groups_over_the_named_axes():
   assert _hlo._groups(line) == frozenset({frozenset({0, 1, 2, 3}), frozenset({4, 5, 6, 7})})
   line = "%ar = f32[4] all-reduce(%x), replica_groups=mesh['a'=2,'b'=2,'c'=2] {'a','c'}, to_apply=%add"
   assert _hlo._groups(line) == frozenset({frozenset({0, 1, 4, 5}), frozenset({2, 3, 6, 7})})
+
+
+# ------------------------------------------------------------------ by_axis: which mesh axes a collective spans
+
+
+def _mesh_4x2(devices=None):
+  if devices is None:
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  return jax.sharding.Mesh(devices, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _per_axis_step(mesh):
+  """Per trip of a fori_loop of 3: psum over "data", over "model", over both, all_gather over "model"."""
+
+  def body(x):
+    def step(i, c):
+      c = c + lax.psum(c, "data")
+      c = c + lax.psum(c, "model")
+      c = c + lax.psum(c, ("data", "model"))
+      return c + lax.all_gather(c, "model", tiled=True)[: c.shape[0]]
+
+    return lax.fori_loop(0, 3, step, x)
+
+  spec = P(("data", "model"))
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+  return f.lower(jnp.arange(32.0)).compile()  # float64 (x64): 4 values = 32 bytes per device
+
+
+def test_by_axis_counts_each_collective_under_the_mesh_axes_it_spans():
+  mesh = _mesh_4x2()
+  compiled = _per_axis_step(mesh)
+  counts = ja.count_collectives(compiled, by_axis=True, mesh=mesh)
+  # Hand-counted: 3 trips x one instruction each.
+  assert counts == {
+    "data": {"all-reduce": 3},
+    "model": {"all-reduce": 3, "all-gather": 3},
+    ("data", "model"): {"all-reduce": 3},
+  }, counts
+  assert list(counts) == ["data", "model", ("data", "model")]  # fewer axes first, then mesh order
+  # Summed over the axes: the plain count. HLO text reads the same as the compiled step.
+  assert ja.count_collectives(compiled) == {"all-reduce": 9, "all-gather": 3}
+  assert ja.count_collectives(compiled.as_text(), by_axis=True, mesh=mesh) == counts
+  # Bytes of the data psum: 3 x a ring all-reduce of b = 32 bytes over n = 4 devices, 2 (n-1) b / n = 48.
+  nbytes = ja.collective_bytes(compiled, by_axis=True, mesh=mesh)
+  assert nbytes["data"] == {"all-reduce": pytest.approx(3 * 48.0)}
+  # The all-gather over "model": receives the 1 other shard of 32 bytes, 3 times.
+  assert nbytes["model"]["all-gather"] == pytest.approx(3 * 32.0)
+  assert nbytes[("data", "model")] == {"all-reduce": pytest.approx(3 * 2 * 7 * 32.0 / 8)}
+
+
+def test_by_axis_follows_the_meshs_device_order():
+  """On a mesh of permuted devices the HLO's logical ids are positions in the mesh, not device ids."""
+  order = [3, 0, 5, 1, 7, 2, 6, 4]
+  mesh = _mesh_4x2(np.array(jax.devices())[order].reshape(4, 2))
+  compiled = _per_axis_step(mesh)
+  counts = ja.count_collectives(compiled, by_axis=True, mesh=mesh)
+  assert counts == {
+    "data": {"all-reduce": 3},
+    "model": {"all-reduce": 3, "all-gather": 3},
+    ("data", "model"): {"all-reduce": 3},
+  }, counts
+  assert ja.count_collectives(compiled.as_text(), by_axis=True, mesh=mesh) == counts
+
+
+def test_by_axis_reads_every_replica_group_form():
+  from jaxaccum import _hlo
+
+  coords = np.array(np.unravel_index(np.arange(8), (2, 2, 2))).T
+  names = ("a", "b", "c")
+
+  def axes(opcode, attrs):
+    return _hlo.spanned_axes(opcode, f"%x = f32[4] {opcode}(%y), {attrs}", coords, names)
+
+  assert axes("all-reduce", "replica_groups={{0,4},{1,5},{2,6},{3,7}}") == "a"
+  assert axes("all-reduce", "replica_groups={{0,1,2,3},{4,5,6,7}}") == ("b", "c")
+  assert axes("all-reduce", "replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}") == ()
+  assert axes("all-reduce", "replica_groups={}") == ("a", "b", "c")  # no groups: every device
+  # Iota: [2,4]<=[2,4]T(1,0) is {0,4,1,5},{2,6,3,7}: axes a and c.
+  assert axes("all-gather", "replica_groups=[2,4]<=[2,4]T(1,0), dimensions={0}") == ("a", "c")
+  assert axes("reduce-scatter", "replica_groups=[4,2]<=[8], dimensions={0}") == "c"
+  assert axes("all-to-all", "replica_groups=mesh['x'=2,'y'=2,'z'=2] {'y'}") == "b"
+  assert axes("collective-permute", "source_target_pairs={{0,2},{2,0},{4,6},{6,4}}") == "b"
+  assert axes("collective-permute", "source_target_pairs={{0,3},{3,0}}") == ("b", "c")
+  assert axes("collective-permute", "source_target_pairs={}") == ()
+
+
+def test_by_axis_on_a_compiled_permute_all_to_all_and_reduce_scatter():
+  mesh = _mesh_4x2()
+
+  def body(c):
+    c = c + lax.psum_scatter(jnp.concatenate([c] * 4), "data", tiled=True)
+    c = c + lax.ppermute(c, "data", [(i, (i + 1) % 4) for i in range(4)])
+    c = c + lax.ppermute(c, "model", [(0, 1), (1, 0)])
+    return c + lax.all_to_all(c, "model", 0, 0, tiled=True)
+
+  spec = P(("data", "model"))
+  compiled = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)).lower(jnp.arange(32.0)).compile()
+  counts = ja.count_collectives(compiled, by_axis=True, mesh=mesh)
+  assert counts == {
+    "data": {"reduce-scatter": 1, "collective-permute": 1},
+    "model": {"collective-permute": 1, "all-to-all": 1},
+  }, counts
+
+
+def test_by_axis_is_refused_without_a_mesh_by_name():
+  mesh = _mesh_4x2()
+  compiled = _per_axis_step(mesh)
+  with pytest.raises(ValueError, match="mesh"):
+    ja.count_collectives(compiled, by_axis=True)
+  with pytest.raises(ValueError, match="mesh"):
+    ja.collective_bytes(compiled, by_axis=True)
+  with pytest.raises(ValueError, match="mesh"):
+    ja.count_collectives(compiled, by_axis=True, mesh=("data", "model"))  # type: ignore[call-overload]
+  with pytest.raises(ValueError, match="mesh"):
+    ja.count_collectives(compiled, by_axis=True, mesh=mesh.abstract_mesh)
+  with pytest.raises(ValueError, match="by_axis"):
+    ja.count_collectives(compiled, mesh=mesh)
+  with pytest.raises(ValueError, match="by_axis"):
+    ja.count_collectives(compiled, by_axis="yes", mesh=mesh)  # type: ignore[call-overload]
+  # A mesh smaller than the step: the HLO names ids it does not hold.
+  small = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  with pytest.raises(ValueError, match="mesh"):
+    ja.count_collectives(compiled.as_text(), by_axis=True, mesh=small)
