@@ -55,7 +55,7 @@ def new_var(aval, like=None):
   initial, final = getattr(like, "initial_qdd", None), getattr(like, "final_qdd", None)
   if initial is None and final is None:
     return jex_core.Var(aval)
-  return jex_core.Var(aval, initial, final)  # type: ignore[call-arg]  # 0.10 only: the others have no qdd
+  return jex_core.Var(aval, initial, final)  # type: ignore[call-arg, unused-ignore]  # 0.10 only: later ones have no qdd
 
 
 def eqn_context(ctx, mesh):
@@ -101,3 +101,26 @@ def call_flat_bwd(bwd, args, fix):
     cts, logs = out
     return fix(list(cts)), logs
   return fix(list(out))
+
+
+@contextlib.contextmanager
+def arrays_typed_on(retype):
+  """A context in which a concrete `jax.Array` met by a trace is typed `retype(aval)` (None: as JAX types it).
+
+  JAX types an array a trace closes over by `core.pytype_aval_mappings[type(x)]` (for `ArrayImpl`: its aval with
+  its sharding); the mapping is swapped for the context and restored after. Checked on 0.10.2 and 0.12.0.1.
+  """
+  from jax._src import array as _array  # noqa: PLC0415, PLC2701
+
+  mappings = _core.pytype_aval_mappings
+  before = mappings[_array.ArrayImpl]
+
+  def typed(x):
+    aval = before(x)
+    return retype(aval) or aval
+
+  mappings[_array.ArrayImpl] = typed
+  try:
+    yield
+  finally:
+    mappings[_array.ArrayImpl] = before

@@ -503,7 +503,7 @@ def _remove_orbax_tmps(tmp: str) -> None:
 
 def _default_device() -> jax.Device:
   """Where a leaf of `like` without a sharding is restored: jax's default device (one of this process's)."""
-  device = jax.config.jax_default_device  # type: ignore[attr-defined]  # a config option, read as an attribute
+  device = jax.config.jax_default_device  # type: ignore[attr-defined, unused-ignore]  # a config option (typed on some jax)
   if isinstance(device, jax.Device):
     return device
   return jax.local_devices(backend=device if isinstance(device, str) else None)[0]

@@ -485,7 +485,7 @@ def _reduce_scatter(xs, leaves, axis, size, wire):
   `xs`: local full-size arrays (one per leaf with a dim); returns the local blocks
   in each x's own dtype. `wire`: the dtype sent (None: each x's own).
   """
-  out = [None] * len(xs)
+  out: list[Any] = [None] * len(xs)
   packable = []
   for j, (x, leaf) in enumerate(zip(xs, leaves, strict=True)):
     w = jnp.dtype(wire) if wire is not None else x.dtype
@@ -518,7 +518,7 @@ def _reduce_scatter(xs, leaves, axis, size, wire):
 
 def _all_gather(xs, leaves, axis, size, to):
   """Inverse of `_reduce_scatter`'s layout: local blocks -> full arrays, one instruction per dtype."""
-  out = [None] * len(xs)
+  out: list[Any] = [None] * len(xs)
   packable = []
   for j, (x, leaf) in enumerate(zip(xs, leaves, strict=True)):
     if leaf.other:
