@@ -416,8 +416,8 @@ def test_each_numpy_constant_case_exact(model, strategy):
 # Seeded random programs (tests/_fuzz_programs.py: what model code does with parameters and constants)
 # through layerwise inside the step's untyped shard_map, against plain jax.grad in float64. A failure
 # names each failing program's seed, operations and sharded dimensions.
-FUZZ_DEFAULT = range(16)  # one compile of 16 programs side by side
-FUZZ_SLOW = range(16, 416)
+FUZZ_DEFAULT = range(8)  # one compile of 8 programs side by side
+FUZZ_SLOW = range(8, 416)
 
 
 def test_fuzz_small_set_exact():

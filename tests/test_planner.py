@@ -103,6 +103,7 @@ def test_step_options_choose_fsdp_comm_lean_when_it_fits():
     ja.plan_microbatches(factory, p, s, batch, memory_budget_bytes=once, step_options={"fsdp_gather": "once"})
 
 
+@pytest.mark.slow  # 30 s: several layerwise fsdp compiles
 def test_step_options_layerwise_fsdp_smallest_k_first_then_comm_lean():
   """fsdp per_microbatch gathers layer by layer: it saves more than the full parameter copy "once" holds.
 
