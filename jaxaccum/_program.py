@@ -44,6 +44,8 @@ _MANUAL_PARAMS = ("newly_manual_axes", "manual_axes")
 _AXIS_PARAMS = ("axes", "axis_name")
 # A custom derivative's rule, traced by JAX when it differentiates: custom_jvp's jvp, custom_vjp's fwd.
 _RULE_THUNKS = ("jvp_jaxpr_fun", "fwd_jaxpr_thunk")
+# The primal of a custom_vjp(optimize_remat=True), a thunk in its fwd's `remat_opt` equation (JAX 0.10-0.12).
+_PRIMAL_THUNK = "fun_jaxpr_thunk"
 
 
 _EMPTY = jax.sharding.AbstractMesh((), ())
@@ -91,7 +93,7 @@ def trace_mesh(mesh, data_axes):
   return abstract.update(axis_sizes=sizes)
 
 
-def trace(fn, args, *, mesh, data_axes, batch_argnums=(), entry: str = "make_train_step") -> Program:
+def trace(fn, args, *, mesh, data_axes, batch_argnums=(), row_axis=None, entry: str = "make_train_step") -> Program:
   """`fn` traced once on abstract `args` (one device's shapes) under `trace_mesh(mesh, data_axes)`.
 
   Args:
@@ -101,7 +103,11 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), entry: str = "make_tra
     mesh: the step's mesh.
     data_axes: the axes the per-device map makes manual.
     batch_argnums: arguments whose leaves are rows split over the data axes
-      (typed unsharded; the others keep their non-data axes on Explicit meshes).
+      (on Explicit meshes typed over `row_axis` on their leading dimension; the
+      others keep their non-data axes).
+    row_axis: the data axis the rows are split over (default: the one data
+      axis; with several, none: the rows are typed unsharded). ja.grad names
+      its `axis_name` (its data axes are every mesh axis, the others of size 1).
     entry: the entry point, for the messages.
 
   Raises:
@@ -111,7 +117,7 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), entry: str = "make_tra
   data_axes = tuple(data_axes)
   at = trace_mesh(mesh, data_axes)
   explicit = any(t == AxisType.Explicit for t in at.axis_types)
-  rows, single = data_axes[0], len(data_axes) == 1
+  rows = row_axis if row_axis is not None else data_axes[0] if len(data_axes) == 1 else None
 
   def aval(x, batch):
     x = x if hasattr(x, "dtype") else jax.numpy.asarray(x)  # a Python scalar in the state, say
@@ -123,7 +129,7 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), entry: str = "make_tra
     # P("data", ...))`, which JAX checks against the type) holds as in the user's own jit. Several (hsdp's
     # ("replica", "data")): typed unsharded, the same layout on size-1 axes, so that a model annotated for one
     # data axis (reshard to P("data")) meets its rows without a type conflict.
-    spec = (PartitionSpec(rows) if single and len(shape) else PartitionSpec()) if batch else _typed_spec(x, data_axes)
+    spec = (PartitionSpec(rows) if rows and len(shape) else PartitionSpec()) if batch else _typed_spec(x, data_axes)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(at, spec))
 
   avals = tuple(jax.tree.map(lambda x, b=i in batch_argnums: aval(x, b), a) for i, a in enumerate(args))
@@ -136,10 +142,27 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), entry: str = "make_tra
     out_tree.append(tree)
     return outs
 
+  step_mesh = mesh.abstract_mesh
+
+  def retype(a):
+    """An array the loss closes over, typed on the step's mesh and replicated over the data axes (a table
+    put with `jax.device_put(x, NamedSharding(mesh, P()))`): typed on the trace mesh, as the user's own jit
+    types it on theirs. One split over a data axis is left as it is: refused by name (`_per_device`)."""
+    sharding = getattr(a, "sharding", None)
+    if at == step_mesh or not isinstance(sharding, NamedSharding) or sharding.mesh != step_mesh:
+      return None
+    if jax.sharding.get_abstract_mesh() != at or _spec_names(sharding.spec) & set(data_axes):
+      return None
+    return a.update(sharding=NamedSharding(at, sharding.spec))
+
   # Entered through the empty mesh: JAX refuses to change a set mesh's size directly, and the size-1 data
   # axes are what lets an Explicit annotation divide one device's rows.
   try:
-    with jax.sharding.use_abstract_mesh(_EMPTY), jax.sharding.use_abstract_mesh(at):
+    with (
+      _jax_private.arrays_typed_on(retype),
+      jax.sharding.use_abstract_mesh(_EMPTY),
+      jax.sharding.use_abstract_mesh(at),
+    ):
       # The data axes bound, at their sizes in the step's mesh: a collective the model itself runs over one
       # (Flax's synchronized BatchNorm, a psum of a token count) means inside the map what it means in the
       # user's own shard_map, where they are bound the same way.
@@ -226,7 +249,7 @@ def _eqns(jaxpr):
   for eqn in jaxpr.eqns:
     yield eqn
     for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else (v,):
+      for sub in v if isinstance(v, (tuple, list)) else (v,):  # a NamedTuple of jaxprs too (custom_linear_solve)
         if isinstance(sub, jex_core.ClosedJaxpr):
           yield from _eqns(sub.jaxpr)
         elif isinstance(sub, jex_core.Jaxpr):
@@ -328,12 +351,21 @@ class _Localiser:
       got = self.meshes[key] = self.inside.update_axis_types(manual) if manual else self.inside
     return got
 
-  def spec(self, s: PartitionSpec) -> PartitionSpec:
-    return drop_axes(s, self.data)
+  def spec(self, s: PartitionSpec, mesh=None) -> PartitionSpec:
+    """`s` without the data axes; on a mesh (`mesh`, else the map's) with no Auto axis left, its UNCONSTRAINED
+    entries None: JAX refuses UNCONSTRAINED there, and with no axis left to choose it means None (vmap of a
+    `with_sharding_constraint` inserts one for the mapped dimension)."""
+    s = drop_axes(s, self.data)
+    mesh = self.inside if mesh is None else mesh
+    if any(t == AxisType.Auto for t in getattr(mesh, "axis_types", ())):
+      return s
+    entries = [None if e is PartitionSpec.UNCONSTRAINED else e for e in s]
+    return PartitionSpec(*entries, unreduced=s.unreduced, reduced=s.reduced)
 
   def sharding(self, s):
     if isinstance(s, NamedSharding):
-      return NamedSharding(self.mesh(s.mesh), self.spec(s.spec), memory_kind=s.memory_kind)
+      mesh = self.mesh(s.mesh)
+      return NamedSharding(mesh, self.spec(s.spec, mesh), memory_kind=s.memory_kind)
     return s
 
   def aval(self, a):
@@ -355,6 +387,13 @@ class _Localiser:
     (a trace inside a caller's shard_map, ja.diloco_train_step's)."""
     if isinstance(x, _jax_private.TypedNdArray):
       return _jax_private.TypedNdArray(np.asarray(x), self.aval(x.aval))
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+      # An array the loss closes over, typed on the step's Explicit mesh (replicated over the data axes: `trace`
+      # types only those on its mesh): inside the map that type names axes that are Manual there, so its value
+      # is taken as a constant of the map (each device holds all of it, as in the user's own jit).
+      mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+      if mesh is not None and not mesh.empty and AxisType.Explicit in mesh.axis_types:
+        return np.asarray(x)
     return x
 
   def var(self, v):
@@ -402,7 +441,24 @@ class _Localiser:
       return self.rule(v)
     if name == "bwd" and isinstance(v, _jax_private.WrappedFun):
       return self.bwd(v)
+    if name == _PRIMAL_THUNK and callable(v):
+      return self.primal(v)
     return self.value(v)
+
+  def primal(self, thunk):
+    """`custom_vjp(optimize_remat=True)`'s primal thunk (`() -> (jaxpr, consts)`, called when JAX finds the fwd's
+    residuals unused): traced under the trace's mesh, as `rule` traces a fwd, its jaxpr and consts localised."""
+    memo: list = []
+
+    def traced():
+      if not memo:
+        with jax.sharding.use_abstract_mesh(_EMPTY), jax.sharding.use_abstract_mesh(self.at):
+          jaxpr, consts = thunk()
+        inner = _Localiser(self.inside, self.data, self.at)
+        memo.append((inner.jaxpr(jaxpr), [inner.const(c) for c in consts]))
+      return memo[0]
+
+    return traced
 
   def bwd(self, bwd):
     """A custom_vjp's (flattened) bwd: its outputs checked against the primal avals as seen inside the map.
@@ -462,6 +518,11 @@ class _Localiser:
       return self.mesh(v)
     if isinstance(v, jax.core.ShapedArray):
       return self.aval(v)
-    if type(v) in (tuple, list):  # not a NamedTuple (a PRNG implementation, a config): those are kept
-      return type(v)(self.value(x) for x in v)
+    if isinstance(v, (tuple, list)):
+      # A NamedTuple too (custom_linear_solve's `jaxprs`, the solve's matvec/vecmat/solve/transpose_solve
+      # ClosedJaxprs): rebuilt only where an item changed, so one holding none (a PRNG implementation) is kept.
+      items = [self.value(x) for x in v]
+      if all(a is b for a, b in zip(items, v, strict=True)):
+        return v
+      return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
     return v

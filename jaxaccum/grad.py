@@ -322,14 +322,35 @@ def _arguments(cfg: _Config, mesh, args) -> tuple[_Args, list]:
   # fun again.
   local = [jax.ShapeDtypeStruct(_local_shape(x, s, mesh), x.dtype) for x, s in zip(arrays, specs, strict=True)]
   rebuild = lambda xs: _rebuild(treedef, leaves, is_array, xs)
-  traced = lambda shapes: _program.trace(
-    lambda *xs: cfg.fun(*rebuild(xs)), shapes, mesh=mesh, data_axes=tuple(mesh.axis_names), entry="ja.grad"
+  # The leaves split over the axis on their rows are typed so (P(axis_name) on the size-1 axis), as the user's
+  # own jit types them: an Explicit-mesh `with_sharding_constraint(h, P(axis_name, ...))` asserts that layout,
+  # and a loop whose body reshards its carry over the axis keeps its type. A loss that types only in the
+  # unsharded layout (an RNN whose scan carry starts from replicated zeros: the body runs unchecked, see the
+  # module docstring) is traced so when the first trace raises; if both raise, the unsharded trace's error.
+  on_rows = lambda s: bool(len(s)) and s[0] is not None and axis_name in _unreduced.names(s[0])
+  batch_leaves = tuple(i for i, s in enumerate(specs) if on_rows(s))
+  trace = lambda shapes, batch: _program.trace(
+    lambda *xs: cfg.fun(*rebuild(xs)),
+    shapes,
+    mesh=mesh,
+    data_axes=tuple(mesh.axis_names),
+    batch_argnums=batch,
+    row_axis=axis_name,
+    entry="ja.grad",
   )
+
+  def traced(shapes):
+    if not batch_leaves:
+      return trace(shapes, ())
+    try:
+      return trace(shapes, batch_leaves)
+    except Exception:  # noqa: BLE001  (the unsharded trace raises its own error if it fails too)
+      return trace(shapes, ())
+
   program = _trace(lambda: traced(local), axis_name)
 
   def aux_at(at: int) -> list:
     """aux's leaves with `at` rows per device on every argument split over the axis on its rows."""
-    on_rows = lambda s: len(s) and s[0] is not None and axis_name in _unreduced.names(s[0])
     again = [
       jax.ShapeDtypeStruct((at, *x.shape[1:]) if on_rows(s) else x.shape, x.dtype)
       for x, s in zip(local, specs, strict=True)

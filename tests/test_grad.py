@@ -732,3 +732,89 @@ def test_fun_is_traced_once_aux_included(aux_reductions, per_row, traces):
     batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
     jax.jit(ja.value_and_grad(loss, axis_name="data", has_aux=True, aux_reductions=aux_reductions)).lower(p, batch)
   assert len(calls) == traces
+
+
+# --------------------------------------------------------------------------- issue 38: ja.grad's one trace
+
+
+def _own_jit_grad(loss, params, x, y, mesh):
+  """ja.grad's gradient, reduced by hand in the user's own jit, and plain jax.grad's in the same jit."""
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    got = jax.jit(lambda q, b: jax.reshard(ja.grad(loss, axis_name="data")(q, b), P()))(p, batch)
+    want = jax.jit(jax.grad(loss))(p, batch)
+  return jax.device_get(got), jax.device_get(want)
+
+
+def _assert_loss(q, b):
+  """On an Explicit mesh `with_sharding_constraint` asserts the type: the rows split over "data"."""
+  h = jax.lax.with_sharding_constraint(jnp.tanh(b[0] @ q[0]["w"] + q[0]["b"]), P("data", None))
+  return jnp.mean(jnp.sum((h @ q[1]["w"] + q[1]["b"] - b[1]) ** 2, -1))
+
+
+def _while_loss(q, b):
+  """A while_loop whose carry (from the batch) is resharded over "data" in its body."""
+  body = lambda c: (c[0] + 1, jax.sharding.reshard(c[1] * 0.5 + 1.0, P("data", None)))
+  x = jax.lax.while_loop(lambda c: c[0] < 3, body, (0, b[0]))[1]
+  return mse_loss(q, (x, b[1]))
+
+
+@pytest.mark.parametrize("loss", [_assert_loss, _while_loss], ids=["assert", "while"])
+def test_annotations_asserting_the_rows_layout_hold_as_in_plain_jit(loss):
+  """Issue 38: ja.grad traced one device's rows typed unsharded, so an assert of their layout failed ("The
+  array sharding: P(None, None) did not match ... P('data', None)") and a while_loop whose body reshards its
+  carry over "data" changed the carry's type ("carry input and carry output must have equal types"). The rows
+  are typed over the (size-1) axis now, as the user's own jit types them."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 32)
+  got, want = _own_jit_grad(loss, params, x, y, explicit_mesh())
+  chex.assert_trees_all_close(got, want, rtol=RTOL, atol=1e-14)
+
+
+_TABLE = np.linspace(0.5, 1.5, 64).reshape(8, 8)
+
+
+def test_a_loss_closing_over_a_replicated_array_runs_exact():
+  """Issue 38: a table put replicated on the Explicit mesh, read from the enclosing scope: once "context mesh
+  AbstractMesh('data': 1 ...) should match the aval mesh ('data': 8 ...)"."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 32)
+  mesh = explicit_mesh()
+  table = jax.device_put(jnp.asarray(_TABLE), NamedSharding(mesh, P()))
+
+  def loss(q, b):
+    h = jnp.tanh(b[0] @ q[0]["w"] + q[0]["b"]) @ table
+    return jnp.mean(jnp.sum((h @ q[1]["w"] + q[1]["b"] - b[1]) ** 2, -1))
+
+  got, want = _own_jit_grad(loss, params, x, y, mesh)
+  chex.assert_trees_all_close(got, want, rtol=RTOL, atol=1e-14)
+
+
+def _remat_dense_reshard():
+  """A dense layer as a custom_vjp(optimize_remat=True), its primal and fwd resharding their output over "data"."""
+  annotate = lambda h: jax.sharding.reshard(h, P("data", None))
+  f = jax.custom_vjp(lambda x, w: annotate(x @ w))
+  f.defvjp(
+    lambda x, w: (annotate(x @ w), (x, w)),
+    lambda res, g: (g @ res[1].T, jnp.einsum("bi,bo->io", res[0], g, out_sharding=P())),
+    optimize_remat=True,
+  )
+  return f
+
+
+def test_a_custom_vjp_with_optimize_remat_and_a_linear_solve_run_exact():
+  """Issue 38: a custom_vjp(optimize_remat=True)'s primal, a thunk JAX traces inside the map (once "Closing over
+  inputs to shard_map where the input is sharded on `Explicit` axes"), and jnp.linalg.solve, whose jaxprs sit
+  in a NamedTuple parameter the localiser did not reach (once "context mesh ... should match the aval mesh")."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 32)
+  dense = _remat_dense_reshard()
+
+  def loss(q, b):
+    v = jnp.linalg.solve(jnp.eye(8) * 3.0 + q[0]["w"].T @ q[0]["w"], q[0]["b"])
+    h = jnp.tanh(dense(b[0], q[0]["w"]) + v)
+    return jnp.mean(jnp.sum((h @ q[1]["w"] + q[1]["b"] - b[1]) ** 2, -1))
+
+  got, want = _own_jit_grad(loss, params, x, y, explicit_mesh())
+  chex.assert_trees_all_close(got, want, rtol=RTOL, atol=1e-14)

@@ -443,3 +443,107 @@ def test_sync_batchnorm_under_ja_grad_on_an_explicit_mesh():
   chex.assert_trees_all_close(jax.tree.map(np.asarray, grads), want_g, rtol=1e-10, atol=1e-14)
   chex.assert_trees_all_close(jax.tree.map(np.asarray, new_stats), want_s, rtol=1e-12, atol=1e-14)
   np.testing.assert_allclose(float(loss), want_loss, rtol=1e-12)
+
+
+# --------------------------------------------------------------------------- issue 38: the localiser's reach
+
+
+def _explicit_reference(loss, params, batch, mesh):
+  """The plain full-batch SGD step in the user's own jit on an Explicit mesh, the batch placed over "data"."""
+  with jax.set_mesh(mesh):
+    placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    g = jax.device_get(jax.jit(jax.grad(loss))(jax.device_put(params, NamedSharding(mesh, P())), placed))
+  return jax.tree.map(lambda p, g: p - LR * g, params, g)
+
+
+def _remat_dense(annotate):
+  """A dense layer as a custom_vjp(optimize_remat=True) whose primal and fwd annotate their output."""
+  f = jax.custom_vjp(lambda x, w: annotate(x @ w))
+  f.defvjp(
+    lambda x, w: (annotate(x @ w), (x, w)),
+    lambda res, g: (g @ res[1].T, jnp.einsum("bi,bo->io", res[0], g, out_sharding=P())),
+    optimize_remat=True,
+  )
+  return f
+
+
+@pytest.mark.parametrize(
+  ("strategy", "kind"),
+  smoke(
+    [(s, k) for s in RUNS for k in ("auto", "explicit") if (s, k) != ("hsdp", "explicit")],
+    keep=[("fsdp_once", "explicit"), ("ddp", "auto")],
+  ),
+)
+def test_a_custom_vjp_with_optimize_remat_annotated_in_its_primal_and_fwd_runs_exact(strategy, kind):
+  """Issue 38: JAX keeps such a custom_vjp's primal as a thunk in the fwd's `remat_opt` equation and traces it
+  when its residuals go unused, inside the per-device map: once
+  "with_sharding_constraint can only refer to Auto axes" / "Closing over inputs to shard_map ... `Explicit`
+  axes". Now traced under the loss's trace mesh and localised, as a fwd rule is."""
+  kwargs, shape, names, axis = RUNS[strategy]
+  explicit = kind == "explicit"
+  mesh = make_mesh(shape, names, AxisType.Explicit if explicit else AxisType.Auto)
+  annotate = (lambda h: jax.sharding.reshard(h, P("data", None))) if explicit else _annotated
+  dense = _remat_dense(annotate)
+  loss = lambda p, b: mse(jnp.tanh(dense(b[0], p["w1"])) @ p["w2"], b[1])
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  want = _explicit_reference(loss, params, batch, make_mesh((8,), ("data",), AxisType.Explicit)) if explicit else None
+  want = plain_step(loss, params, batch, mesh) if want is None else want
+  chex.assert_trees_all_close(one_step(loss, params, batch, mesh, axis, **kwargs), want, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "hsdp"])
+def test_with_sharding_constraint_under_vmap_on_an_auto_mesh_of_data_axes_only_runs_exact(strategy):
+  """Issue 38: vmap of a constraint adds P.UNCONSTRAINED for the mapped dimension; inside the map, on a mesh of
+  data axes only, no axis is Auto and JAX refuses it ("cannot contain `P.UNCONSTRAINED` when no mesh axis_types
+  are `Auto`"). There it means None (nothing is left to choose), and is localised so."""
+  shape, names = ((8,), ("data",)) if strategy == "ddp" else ((2, 4), ("replica", "data"))
+  axis = "data" if strategy == "ddp" else names
+  mesh = make_mesh(shape, names)
+
+  def loss(p, b):
+    h = jnp.tanh(b[0] @ p["w1"] + p["b1"])
+    h = jax.vmap(lambda r: jax.lax.with_sharding_constraint(r, P(None)))(h)
+    return mse(h @ p["w2"] + p["b2"], b[1])
+
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  got = one_step(loss, params, batch, mesh, axis, strategy=strategy)
+  chex.assert_trees_all_close(got, plain_step(loss, params, batch, mesh), rtol=1e-12, atol=1e-14)
+
+
+def _closure_loss(table):
+  return lambda p, b: mse(jnp.tanh(b[0] @ p["w1"] + p["b1"]) @ table @ p["w2"] + p["b2"], b[1])
+
+
+@pytest.mark.parametrize("strategy", smoke(list(RUNS), {"fsdp_once"}))
+def test_a_loss_closing_over_a_replicated_array_on_an_explicit_mesh_runs_exact(strategy):
+  """Issue 38: an array put replicated on the step's Explicit mesh and read from the enclosing scope is typed on
+  that mesh; the trace (under the mesh with size-1 data axes) once failed on it with "context mesh ... should
+  match the aval mesh". It is typed on the trace's mesh, and taken as a constant inside the map."""
+  kwargs, shape, names, axis = RUNS[strategy]
+  mesh = make_mesh(shape, names, AxisType.Explicit)
+  table = jax.device_put(jnp.linspace(0.5, 1.5, 64).reshape(8, 8), NamedSharding(mesh, P()))
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  got = one_step(_closure_loss(table), params, batch, mesh, axis, **kwargs)
+  plain = make_mesh((8,), ("data",), AxisType.Explicit)
+  want = _explicit_reference(_closure_loss(jax.device_put(table, NamedSharding(plain, P()))), params, batch, plain)
+  chex.assert_trees_all_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def _solve_loss(p, b):
+  """A linear solve in the parameters: custom_linear_solve keeps its jaxprs in a NamedTuple parameter."""
+  v = jnp.linalg.solve(jnp.eye(8) * 3.0 + p["w1"].T @ p["w1"], p["b1"])
+  return mse(jnp.tanh(b[0] @ p["w1"] + v) @ p["w2"] + p["b2"], b[1])
+
+
+@pytest.mark.parametrize(
+  ("strategy", "kind"),
+  smoke([(s, k) for s in ("ddp", "fsdp", "fsdp_once") for k in ("auto", "explicit")], keep=[("fsdp", "auto")]),
+)
+def test_a_linear_solve_in_the_parameters_runs_exact(strategy, kind):
+  """Issue 38: once "context mesh ... should match the aval mesh": the solve's jaxprs (custom_linear_solve's
+  `jaxprs`, a NamedTuple of ClosedJaxprs) kept the trace's mesh. The localiser now reaches into them."""
+  kwargs, shape, names, axis = RUNS[strategy]
+  mesh = make_mesh(shape, names, AxisType.Explicit if kind == "explicit" else AxisType.Auto)
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  got = one_step(_solve_loss, params, batch, mesh, axis, **kwargs)
+  chex.assert_trees_all_close(got, plain_step(_solve_loss, params, batch, mesh), rtol=1e-12, atol=1e-14)
