@@ -8,7 +8,10 @@ leaves `xs` of one fragment on each replica p,
 
 Float wires (`comm_dtype`, or `compress="bf16"`): C(x) = x rounded to the wire
 dtype; one all-reduce in that dtype (XLA:CPU widens bf16 all-reduces to f32 in
-its compiled HLO; GPU and TPU send the lowered dtype).
+its compiled HLO; GPU and TPU send the lowered dtype). Every all-reduce here
+goes through `_lowcomm_util.reduce_over`: in a map manual over the replica
+axis only (`diloco_train_step`), those in bf16 or int16 run in a nested map
+manual over the other axes too, which XLA compiles without aborting.
 
 Integer wires (`compress="int8"`/`"int4"`, qmax = 127/7). Each leaf is raveled
 and cut into blocks of 64 consecutive elements (the last one shorter). Block j
@@ -42,7 +45,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _sparse
+from jaxaccum import _lowcomm_util, _sparse
 
 BLOCK = 64
 QMAX = {"int8": 127, "int4": 7}
@@ -101,7 +104,7 @@ def wire_mean(xs: list, axis_name, replicas: int, compress, comm_dtype):
     qmax = QMAX[compress]
     absmax = [block_absmax(x) for x in xs]
     # One max-all-reduce for all the fragment's scales (a 64th of its elements).
-    shared = lax.pmax(jnp.concatenate(absmax), axis_name)
+    (shared,) = _lowcomm_util.reduce_over(lax.pmax, [jnp.concatenate(absmax)], axis_name)
     bounds = np.cumsum([0] + [a.shape[0] for a in absmax])
     scales = [
       per_element(shared[lo:hi].astype(x.dtype) / qmax, x.shape)
@@ -109,12 +112,12 @@ def wire_mean(xs: list, axis_name, replicas: int, compress, comm_dtype):
     ]
     codes = [quantize(x, s, qmax) for x, s in zip(xs, scales, strict=True)]
     wide = code_sum_dtype(qmax, replicas)
-    sums = lax.psum([q.astype(wide) for q in codes], axis_name)
+    sums = _lowcomm_util.reduce_over(lax.psum, [q.astype(wide) for q in codes], axis_name)
     delta = [(t.astype(x.dtype) * s) / jnp.asarray(replicas, x.dtype) for t, s, x in zip(sums, scales, xs, strict=True)]
     sent = [q.astype(x.dtype) * s for q, s, x in zip(codes, scales, xs, strict=True)]
     return delta, sent
   dtype = jnp.dtype(jnp.bfloat16) if compress == "bf16" else comm_dtype
   sent = xs if dtype is None else [x.astype(dtype) for x in xs]
-  sums = lax.psum(sent, axis_name)
+  sums = _lowcomm_util.reduce_over(lax.psum, list(sent), axis_name)
   delta = [t.astype(x.dtype) / jnp.asarray(replicas, x.dtype) for t, x in zip(sums, xs, strict=True)]
   return delta, [c.astype(x.dtype) for c, x in zip(sent, xs, strict=True)]

@@ -131,18 +131,44 @@ def decode(codes, scales, bits: int, dtype):
   return sign * (mag * step)
 
 
+def _hot(idx, chunk: int):
+  """(..., k) indices local to their chunk -> (..., k, C) one-hot booleans (the k indices of a chunk differ)."""
+  return idx[..., None] == jnp.arange(chunk, dtype=idx.dtype)
+
+
+def _read(chunks, idx):
+  """chunks[..., idx] per chunk, (..., n, k): a masked sum with one term, exact (no gather, see `encode`)."""
+  hot = _hot(idx, chunks.shape[-1])
+  return jnp.sum(jnp.where(hot, chunks[..., None, :], jnp.zeros((), chunks.dtype)), axis=-1)
+
+
+def _write(values, idx, chunk: int):
+  """(..., n, C) zeros with `values` (..., n, k) at `idx`: a masked sum with at most one term, exact (no scatter)."""
+  hot = _hot(idx, chunk)
+  return jnp.sum(jnp.where(hot, values[..., None], jnp.zeros((), values.dtype)), axis=-2)
+
+
 def encode(x, spec: TopK):
-  """One leaf: (local indices (n, k), codes (n, k), bf16 scales (n,), the decoded values sent, in x's shape)."""
+  """One leaf: (local indices (n, k), codes (n, k), bf16 scales (n,), the decoded values sent, in x's shape).
+
+  The kept values are read, and the sent ones written, through one-hot masks
+  rather than a gather and a scatter: inside a map manual over the replica axis
+  with the leaf sharded over an automatic data axis (fsdp within each replica),
+  XLA's SPMD partitioner aborts the process on such a gather or scatter
+  (spmd_partitioner_util.cc "Check failed: partition_group_list...", issue 38);
+  the masks are elementwise ops and reductions along the chunk, which it
+  partitions like any other. The selected element is the only term of each
+  sum, so both are exact.
+  """
   chunks, real = _chunks(x, spec.chunk)
   _, idx = lax.top_k(jnp.where(real, jnp.abs(chunks), -1), spec.k)  # padding is never chosen
-  kept = jnp.take_along_axis(chunks, idx, axis=1)
+  kept = _read(chunks, idx)
   scales = _scales(chunks)
   top = 1 << (spec.bits - 1)
   step = scales.astype(x.dtype)[:, None] / top
   mag = jnp.clip(jnp.round(jnp.abs(kept) / jnp.where(step > 0, step, 1)), 1, top).astype(jnp.uint32)
   codes = ((kept < 0).astype(jnp.uint32) << (spec.bits - 1)) | (mag - 1)
-  rows = jnp.arange(chunks.shape[0])[:, None]
-  sent = jnp.zeros_like(chunks).at[rows, idx].set(decode(codes, scales, spec.bits, x.dtype))
+  sent = _write(decode(codes, scales, spec.bits, x.dtype), idx, spec.chunk)
   return idx, codes, scales, sent.reshape(-1)[: x.size].reshape(x.shape)
 
 
@@ -169,10 +195,7 @@ def wire_mean(xs: list, axis_name, replicas: int, spec: TopK):
     idx = unpack(idx_b, spec.index_bits, n * k).reshape(replicas, n, k).astype(jnp.int32)
     codes = unpack(code_b, spec.bits, n * k).reshape(replicas, n, k)
     scales = lax.bitcast_convert_type(scale_b.reshape(replicas, n, 2), jnp.bfloat16)
-    dense = jnp.zeros((replicas, n, spec.chunk), x.dtype)
-    dense = dense.at[jnp.arange(replicas)[:, None, None], jnp.arange(n)[None, :, None], idx].set(
-      decode(codes, scales, spec.bits, x.dtype)
-    )
+    dense = _write(decode(codes, scales, spec.bits, x.dtype), idx, spec.chunk)  # (P, n, C), no scatter
     total = jnp.sum(dense, axis=0).reshape(-1)[: x.size].reshape(x.shape)
     delta.append(total / jnp.asarray(replicas, x.dtype))
   return delta, sent

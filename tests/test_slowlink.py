@@ -20,10 +20,16 @@ def _mesh(explicit=True):
   return jax.make_mesh((REPLICAS, DATA), ("replica", "data"), axis_types=(kind, kind))
 
 
-def _setup(rows=16):
-  params = mlp_init(jax.random.PRNGKey(3), (3, 24, 4))  # w0, w1 span two 64-element blocks each
-  x, y = regression_data(jax.random.PRNGKey(4), rows * REPLICAS, d_out=4)
+def _setup(rows=16, sizes=(3, 24, 4)):
+  # (3, 24, 4): w0, w1 span two 64-element blocks each
+  params = mlp_init(jax.random.PRNGKey(3), sizes)
+  x, y = regression_data(jax.random.PRNGKey(4), rows * REPLICAS, d_in=sizes[0], d_out=sizes[-1])
   return params, (x, y)
+
+
+def _per_replica(batch):
+  """The batch's rows as the reference's replicas see them: (REPLICAS, rows per replica, ...)."""
+  return jax.tree.map(lambda a: a.reshape(REPLICAS, -1, *a.shape[1:]), batch)
 
 
 def _reference(tx, params, batch, steps):
@@ -61,6 +67,9 @@ _CASES = {
     dict(sync_every=4, fragments=2, delay=1, alpha=0.5, compress="int8", error_feedback=True),
   ),
   "zero1-streaming-int4": ("zero1", 2, dict(sync_every=4, fragments=2, delay=0, alpha=0.25, compress="int4")),
+  # Wires reduced in bf16 or int16 (int8 codes) run in a nested map manual over the data axes too (issue 38).
+  "ddp-bf16-ef": ("ddp", 1, dict(sync_every=2, compress="bf16", error_feedback=True)),
+  "zero1-streaming-int8": ("zero1", 1, dict(sync_every=4, fragments=2, delay=1, alpha=0.5, compress="int8")),
   # The sparse wire (SparseLoCo): the smallest leaf (b1) holds 4 elements, so chunks of 4.
   "fsdp-topk": ("fsdp", 1, dict(sync_every=2, compress=ja.TopK(density=0.5, chunk=4, beta=0.9), error_feedback=True)),
 }
@@ -78,7 +87,7 @@ def test_equals_shard_map_with_diloco(name):
   sync_every = opts.pop("sync_every")
   tx = ja.diloco(inner, outer, sync_every, axis_name="r", **opts)
   steps = 2 * sync_every + 1
-  want = _reference(tx, params, (batch[0].reshape(REPLICAS, -1, 3), batch[1].reshape(REPLICAS, -1, 4)), steps)
+  want = _reference(tx, params, _per_replica(batch), steps)
   p, s = dstep.init(params)
   for t in range(steps):
     p, s, metrics = dstep(p, s, batch)
@@ -95,6 +104,144 @@ def chex_close(a, b):
   import chex
 
   chex.assert_trees_all_close(jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
+def test_topk_around_fsdp_gathering_per_microbatch_equals_shard_map_with_diloco(explicit, tmp_path):
+  """Issue 38: ja.TopK around fsdp's default fsdp_gather="per_microbatch" aborted the process in XLA.
+
+  Every leaf here is sharded over the 4 data devices (dimensions of 4 and 8)
+  and chunks are 4 elements, so chunks lie across data shards inside the map
+  manual over the replica axis. The sparse wire's gather (the kept values) and
+  scatters (the sent and decoded ones) then hit an SPMD partitioner CHECK
+  (spmd_partitioner_util.cc, partition_group_list ... num_devices_per_group)
+  that killed the interpreter; it now equals the user's own shard_map with
+  ja.diloco, with donated buffers, and across a checkpoint save and restore.
+  """
+  params, batch = _setup(sizes=(4, 8, 4))
+  outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  inner = optax.adam(0.05)
+  spec = ja.TopK(density=0.5, chunk=4, beta=0.9)
+  # donate=True (the default) and two microbatches: fsdp gathers each leaf per microbatch
+  step = ja.make_train_step(mse_loss, inner, mesh=_mesh(explicit), strategy="fsdp", num_microbatches=2)
+  dstep = ja.diloco_train_step(step, outer, 2, compress=spec, error_feedback=True)
+  tx = ja.diloco(inner, outer, 2, axis_name="r", compress=spec, error_feedback=True)
+  steps = 5
+  want = _reference(tx, params, _per_replica(batch), steps)
+  p, s = dstep.init(params)
+  for t in range(steps):
+    p, s, metrics = dstep(p, s, batch)
+    assert bool(np.all(metrics["applied"]))
+    if t == 2:  # mid-window: the residual is non-zero
+      ja.checkpoint.save(tmp_path / "mid", (p, s))
+      p, s = ja.checkpoint.restore(tmp_path / "mid", like=(p, s))
+    chex_close(p, want[t][0])
+  chex_close(s, want[-1][1])
+  assert int(np.asarray(s.sync_count)[0]) == 2 and np.any(np.asarray(s.residual[0]["w"]))
+
+
+# Every diloco_train_step option against every strategy, each combination compiled and run for 2 updates in a
+# subprocess: an XLA CHECK failure aborts the interpreter (issue 38), which must fail a test, not end pytest.
+_COMBOS = """
+import json, sys, time
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp, numpy as np, optax
+import jaxaccum as ja
+
+def loss(p, b):
+  return jnp.mean((jnp.tanh(b[0] @ p["w"] + p["b"]) - b[1]) ** 2)
+
+key = jax.random.PRNGKey(0)
+# two leaves (two fragments), both sharded over the 4 data devices; 4-element chunks lie across shards
+params = {"w": jax.random.normal(key, (4, 8)) / 2, "b": jnp.full((8,), 0.1)}
+batch = (jax.random.normal(key, (16, 4)), 0.5 * jnp.ones((16, 8)))
+for strategy, gather, explicit, compress, ef, fragments, alpha in json.loads(sys.argv[1]):
+  start = time.perf_counter()
+  print("RUN", strategy, gather, explicit, compress, ef, fragments, alpha, flush=True)
+  kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+  if strategy == "hsdp":
+    mesh, data = jax.make_mesh((2, 2, 2), ("replica", "rep", "shard"), axis_types=(kind,) * 3), ("rep", "shard")
+  else:
+    mesh, data = jax.make_mesh((2, 4), ("replica", "data"), axis_types=(kind,) * 2), "data"
+  kw = {} if gather is None else {"fsdp_gather": gather}
+  step = ja.make_train_step(loss, optax.adam(0.05), mesh=mesh, data_axis=data, strategy=strategy, **kw)
+  wire = ja.TopK(density=0.5, chunk=4, beta=0.9) if compress == "topk" else compress
+  # sync_every = 2 * fragments: fragment 0 merges on update 2 (streaming: sends on 2, delay 1)
+  opts = dict(fragments=fragments, delay=int(fragments > 1), alpha=alpha, compress=wire, error_feedback=ef)
+  dstep = ja.diloco_train_step(step, optax.sgd(0.7, momentum=0.9), 2 * fragments, **opts)
+  p, s = dstep.init(params)
+  for _ in range(2):
+    p, s, m = dstep(p, s, batch)
+  for a in jax.tree.leaves((p, s, m)):
+    a = np.asarray(a)
+    assert not np.issubdtype(a.dtype, np.inexact) or np.isfinite(a).all(), "not finite"
+  assert np.asarray(s.sync_count).tolist() == [1, 1], s.sync_count
+  for a in jax.tree.leaves(s.anchor):  # the replicas merged the same outer gradient
+    np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(a)[1])
+  print("OK", f"{time.perf_counter() - start:.1f}s", flush=True)
+"""
+
+_STRATEGIES = {  # name: (strategy, fsdp_gather)
+  "ddp": ("ddp", None),
+  "zero1": ("zero1", None),
+  "fsdp-per_microbatch": ("fsdp", "per_microbatch"),
+  "fsdp-once": ("fsdp", "once"),
+  "hsdp": ("hsdp", None),
+}
+# Every wire: (compress, error_feedback); TopK needs error feedback, the exact wire refuses it.
+_WIRES = [(None, False), ("bf16", False), ("bf16", True), ("int8", False), ("int8", True)]
+_WIRES += [("int4", False), ("int4", True), ("topk", True)]
+# (fragments, alpha, Explicit mesh axes): plain and streaming (2 fragments, delay 1), alpha 0 and 0.5, each on
+# both mesh kinds.
+_SCHEDULES = [(1, 0.0, True), (1, 0.5, False), (2, 0.0, False), (2, 0.5, True)]
+
+
+def _combos(strategy: str) -> list:
+  st, gather = _STRATEGIES[strategy]
+  return [[st, gather, ex, c, ef, f, a] for c, ef in _WIRES for f, a, ex in _SCHEDULES]
+
+
+def _run_combos(combos: list) -> None:
+  import json
+  import subprocess
+  import sys
+
+  out = subprocess.run(
+    [sys.executable, "-c", _COMBOS, json.dumps(combos)], capture_output=True, text=True, timeout=1800
+  )
+  rc, lines = out.returncode, out.stdout.splitlines()
+  runs, passed = [line for line in lines if line.startswith("RUN")], sum(line.startswith("OK") for line in lines)
+  last = runs[-1] if runs else "before the first combination"
+  errors = [
+    line for line in out.stderr.splitlines() if "Check failed" in line or "Error" in line or line.startswith("F")
+  ]
+  assert rc == 0 and passed == len(combos), (
+    f"rc={rc} at {last}: {passed} of {len(combos)} combinations passed\n"
+    + "\n".join(errors[-5:] or out.stderr.splitlines()[-20:])
+  )
+
+
+# The combinations that aborted before issue 38's fix, one compile each: TopK around fsdp gathering per
+# microbatch (an SPMD partitioner CHECK), and a bf16 wire (XLA:CPU's AllReducePromotion), on both mesh kinds.
+_SMOKE = [
+  ["fsdp", "per_microbatch", True, "topk", True, 2, 0.5],
+  ["ddp", None, False, "bf16", True, 1, 0.0],
+  ["hsdp", None, True, "int8", True, 1, 0.5],
+]
+
+
+def test_diloco_train_step_option_smoke_runs_in_a_subprocess():
+  _run_combos(_SMOKE)
+
+
+@pytest.mark.slow  # 32 compiles per strategy, 160 in all (.ci/run's slow step)
+@pytest.mark.parametrize("strategy", list(_STRATEGIES))
+def test_every_diloco_option_with_every_strategy_runs(strategy):
+  """Every combination of compress (None, bf16, int8, int4, TopK) x error_feedback x (plain | 2 fragments with
+  delay 1) x alpha (0, 0.5), on Explicit and Auto mesh axes, around `strategy`: it compiles, runs 2 updates (one
+  sync), stays finite, and the replicas' anchors agree. A process abort fails this test."""
+  _run_combos(_combos(strategy))
 
 
 @pytest.mark.parametrize(
