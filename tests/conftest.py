@@ -61,3 +61,16 @@ def smoke(values, keep):
   argname."""
   slow = lambda v: pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
   return [v if v in keep else slow(v) for v in values]
+
+
+def remat_dense(annotate):
+  """A dense layer as a custom_vjp(optimize_remat=True) whose primal and fwd annotate their output (issue 38)."""
+  from jax.sharding import PartitionSpec as P
+
+  f = jax.custom_vjp(lambda x, w: annotate(x @ w))
+  f.defvjp(
+    lambda x, w: (annotate(x @ w), (x, w)),
+    lambda res, g: (g @ res[1].T, jnp.einsum("bi,bo->io", res[0], g, out_sharding=P())),
+    optimize_remat=True,
+  )
+  return f

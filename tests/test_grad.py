@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import mlp_apply, mlp_init, mse_loss, regression_data
+from conftest import mlp_apply, mlp_init, mse_loss, regression_data, remat_dense
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -793,14 +793,7 @@ def test_a_loss_closing_over_a_replicated_array_runs_exact():
 
 def _remat_dense_reshard():
   """A dense layer as a custom_vjp(optimize_remat=True), its primal and fwd resharding their output over "data"."""
-  annotate = lambda h: jax.sharding.reshard(h, P("data", None))
-  f = jax.custom_vjp(lambda x, w: annotate(x @ w))
-  f.defvjp(
-    lambda x, w: (annotate(x @ w), (x, w)),
-    lambda res, g: (g @ res[1].T, jnp.einsum("bi,bo->io", res[0], g, out_sharding=P())),
-    optimize_remat=True,
-  )
-  return f
+  return remat_dense(lambda h: jax.sharding.reshard(h, P("data", None)))
 
 
 def test_a_custom_vjp_with_optimize_remat_and_a_linear_solve_run_exact():

@@ -132,16 +132,19 @@ def _per_axis_step(mesh):
   return f.lower(jnp.arange(32.0)).compile()  # float64 (x64): 4 values = 32 bytes per device
 
 
+# `_per_axis_step`, counted by hand: 3 trips x one instruction each.
+HAND_COUNTED = {
+  "data": {"all-reduce": 3},
+  "model": {"all-reduce": 3, "all-gather": 3},
+  ("data", "model"): {"all-reduce": 3},
+}
+
+
 def test_by_axis_counts_each_collective_under_the_mesh_axes_it_spans():
   mesh = _mesh_4x2()
   compiled = _per_axis_step(mesh)
   counts = ja.count_collectives(compiled, by_axis=True, mesh=mesh)
-  # Hand-counted: 3 trips x one instruction each.
-  assert counts == {
-    "data": {"all-reduce": 3},
-    "model": {"all-reduce": 3, "all-gather": 3},
-    ("data", "model"): {"all-reduce": 3},
-  }, counts
+  assert counts == HAND_COUNTED, counts
   assert list(counts) == ["data", "model", ("data", "model")]  # fewer axes first, then mesh order
   # Summed over the axes: the plain count. HLO text reads the same as the compiled step.
   assert ja.count_collectives(compiled) == {"all-reduce": 9, "all-gather": 3}
@@ -160,11 +163,7 @@ def test_by_axis_follows_the_meshs_device_order():
   mesh = _mesh_4x2(np.array(jax.devices())[order].reshape(4, 2))
   compiled = _per_axis_step(mesh)
   counts = ja.count_collectives(compiled, by_axis=True, mesh=mesh)
-  assert counts == {
-    "data": {"all-reduce": 3},
-    "model": {"all-reduce": 3, "all-gather": 3},
-    ("data", "model"): {"all-reduce": 3},
-  }, counts
+  assert counts == HAND_COUNTED, counts
   assert ja.count_collectives(compiled.as_text(), by_axis=True, mesh=mesh) == counts
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 import zoo.tp_layer as tp_layer
-from conftest import regression_data, smoke
+from conftest import regression_data, remat_dense, smoke
 from flax import linen as nn
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -456,17 +456,6 @@ def _explicit_reference(loss, params, batch, mesh):
   return jax.tree.map(lambda p, g: p - LR * g, params, g)
 
 
-def _remat_dense(annotate):
-  """A dense layer as a custom_vjp(optimize_remat=True) whose primal and fwd annotate their output."""
-  f = jax.custom_vjp(lambda x, w: annotate(x @ w))
-  f.defvjp(
-    lambda x, w: (annotate(x @ w), (x, w)),
-    lambda res, g: (g @ res[1].T, jnp.einsum("bi,bo->io", res[0], g, out_sharding=P())),
-    optimize_remat=True,
-  )
-  return f
-
-
 @pytest.mark.parametrize(
   ("strategy", "kind"),
   smoke(
@@ -483,7 +472,7 @@ def test_a_custom_vjp_with_optimize_remat_annotated_in_its_primal_and_fwd_runs_e
   explicit = kind == "explicit"
   mesh = make_mesh(shape, names, AxisType.Explicit if explicit else AxisType.Auto)
   annotate = (lambda h: jax.sharding.reshard(h, P("data", None))) if explicit else _annotated
-  dense = _remat_dense(annotate)
+  dense = remat_dense(annotate)
   loss = lambda p, b: mse(jnp.tanh(dense(b[0], p["w1"])) @ p["w2"], b[1])
   params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
   want = _explicit_reference(loss, params, batch, make_mesh((8,), ("data",), AxisType.Explicit)) if explicit else None
