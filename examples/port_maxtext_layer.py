@@ -50,7 +50,6 @@ reference to <= 1e-10 (relative, float64); the script exits non-zero otherwise.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 import jax
@@ -355,62 +354,9 @@ def own_jit_ja_grad(loss_fn, params, specs, batch, opt, mesh):
   return None
 
 
-def _groups(line):
-  """The replica groups of one HLO collective, as lists of device ids (list or iota form)."""
-  m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
-  if m:
-    shape, dims = [int(x) for x in m[1].split(",")], [int(x) for x in m[2].split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m[3]:
-      ids = ids.transpose([int(x) for x in m[3].split(",")])
-    return ids.reshape(shape).tolist()
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\], device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\) \{([^}]*)\}", line)
-  if m:  # mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}: the groups span the named axes
-    names = re.findall(r"'(\w+)'=", m[1])
-    sizes = [int(x) for x in re.findall(r"=(\d+)", m[1])]
-    dims = [int(x) for x in m[2].split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m[3]:
-      ids = ids.transpose([int(x) for x in m[3].split(",")])
-    ids, spanned = ids.reshape(sizes), set(re.findall(r"'(\w+)'", m[4]))
-    first = tuple(slice(None) if n in spanned else 0 for n in names)
-    return [ids[first].reshape(-1).tolist()]
-  m = re.search(r"replica_groups=\{((?:\{[0-9,\s]*\},?\s*)*)\}", line)
-  return [[int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([0-9,\s]*)\}", m[1])] if m else None
-
-
 def collectives_by_axis(compiled, mesh, branches="all"):
-  """ja.count_collectives per mesh axis: {axes: counts}, the axes a collective's replica groups span.
-
-  count_collectives counts every collective of the program, the tensor-parallel ones over "model" included; to
-  see the gradient reductions over "data" alone, the other collectives' opcodes are renamed out of its sight.
-  """
-  text = compiled.as_text()
-  ids = np.asarray([d.id for d in mesh.devices.flat]).reshape(mesh.devices.shape)
-  coord = {int(ids[idx]): idx for idx in np.ndindex(ids.shape)}
-  kinds = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
-  lines = text.splitlines()
-  found = {}
-  for i, line in enumerate(lines):
-    op = re.search(r"\s(" + "|".join(kinds) + r")(-start)?\(", line)
-    if not op or "=" not in line.split(op[0])[0]:
-      continue
-    groups = _groups(line)
-    if groups is None or len(groups[0]) <= 1:
-      axes = "all devices" if groups is None or not groups[0] else "none"
-    else:
-      c = np.asarray([coord[d] for d in groups[0]])
-      axes = "+".join(n for j, n in enumerate(mesh.axis_names) if len(set(c[:, j])) > 1)
-    found.setdefault(axes, []).append(i)
-  out = {}
-  for axes, idx in found.items():
-    keep = set(idx)
-    masked = [
-      ln if j in keep else re.sub(r"\s(" + "|".join(kinds) + r")(-start|-done)?\(", r" x\1\2(", ln)
-      for j, ln in enumerate(lines)
-    ]
-    out[axes] = ja.count_collectives("\n".join(masked), branches=branches)
-  return dict(sorted(out.items()))
+  """Collectives per step by the mesh axes each one's replica groups span: `ja.count_collectives(by_axis=True)`."""
+  return ja.count_collectives(compiled, branches=branches, by_axis=True, mesh=mesh)
 
 
 def count_only(loss_fn, params, specs, batch, opt, mesh, k):
