@@ -69,6 +69,27 @@ def grad_and_state(model, params, state, rows):
   return jax.grad(model.loss)(params, rows), None
 
 
+def bound(model, fn):
+  """`fn` with the model's own data axis bound (size 1), as a plain single-device reference needs it."""
+  if model.syncs is None:
+    return fn
+  return lambda *a: jax.tree.map(lambda x: x[0], jax.vmap(lambda _: fn(*a), axis_name=model.syncs)(jnp.zeros(1)))
+
+
+def synced(model, entry, groups):
+  """The row groups a loss reducing over its data axis sees: each microbatch across the devices sharing it.
+
+  The entry points return one group per (device, microbatch), device-major; `accumulate own jit` returns them
+  microbatch-major (each of its microbatches is a global batch). hsdp's loss reduces over "data" only, the
+  4 devices of one replica."""
+  n_dev = n_data_devices(model)
+  if entry == "accumulate own jit":
+    return [np.concatenate(groups[i * n_dev : (i + 1) * n_dev]) for i in range(K)]
+  span = 4 if entry == "step hsdp" else n_dev
+  blocks = range(n_dev // span)
+  return [np.concatenate([groups[(b * span + d) * K + i] for d in range(span)]) for b in blocks for i in range(K)]
+
+
 def loss_of(model, state):
   """loss(params, batch) -> scalar, or (scalar, new_state) with the model state bound."""
   return (lambda p, b: model.loss(p, state, b)) if model.has_state else model.loss
@@ -294,7 +315,7 @@ ENTRIES = {
 def reference(model, params, state, batch, groups):
   """One optax step on the full batch's gradient; for a `grouped` model, the mean of each group's gradient."""
   if model.grouped:
-    outs = [grad_and_state(model, params, state, take(batch, rows)) for rows in groups]
+    outs = [bound(model, grad_and_state)(model, params, state, take(batch, rows)) for rows in groups]
     g = jax.tree.map(lambda *xs: sum(xs) / len(xs), *[o[0] for o in outs])
     new_state = None if state is None else jax.tree.map(lambda *xs: sum(xs) / len(xs), *[o[1] for o in outs])
     new_state = None if state is None else jax.tree.map(lambda a, s: a.astype(s.dtype), new_state, state)
@@ -368,7 +389,18 @@ CELLS: dict[tuple[str, str], Cell] = {
 }
 
 
+# A loss that reduces over its data axis runs where that axis is bound; elsewhere plain JAX fails the same way.
+_UNBOUND = ("accumulate", "microbatch", "step none", "micro_grad", "ja.flax")
+_NEEDS_ITS_AXIS = Cell(
+  "n/a",
+  why="the loss reduces over its data axis itself (lax.pmean/psum in the model): outside a map over that axis "
+  "plain JAX fails too, 'unbound axis name' (tests/test_zoo.py::test_syncing_models_need_their_axis_bound)",
+)
+
+
 def cell(model: str, entry: str) -> Cell:
+  if MODELS[model].syncs is not None and entry in _UNBOUND:
+    return _NEEDS_ITS_AXIS
   if entry == "ja.flax" and MODELS[model].linen is None and MODELS[model].nnx is None:
     return Cell("n/a", why="ja.flax wraps linen TrainState and nnx.Optimizer: Flax models only")
   return CELLS.get((model, entry), EXACT)
@@ -388,6 +420,8 @@ def run_cell(model_name, entry):
   if model.fresh is not None:
     model.fresh()
   got_params, got_state, groups = ENTRIES[entry](model, params, state, batch)
+  if model.syncs is not None:
+    groups = synced(model, entry, groups)
   if model.fresh is not None:
     model.fresh()
   with local_context(model):
@@ -417,6 +451,8 @@ SMOKE = {
   ("shard_map_tp_module", "step fsdp once"),  # the module-level @jax.shard_map layer
   ("custom_vjp_layer", "accumulate own jit"),  # a custom_vjp's bwd checked on the localised avals (Explicit)
   ("numpy_pos_table", "step hsdp"),  # a NumPy constant beside a parameter, layerwise replay (was pos + pos)
+  ("sync_bn", "step fsdp"),  # Flax's synchronized BatchNorm: a pmean over the data axis inside the model
+  ("psum_tokens", "accumulate own jit"),  # a psum of the token count inside the loss, under ja.grad
 }
 
 
@@ -435,6 +471,17 @@ def _params():
 @pytest.mark.parametrize("model_name, entry", list(_params()))
 def test_zoo_cell(model_name, entry):
   check_cell(model_name, entry)
+
+
+def test_syncing_models_need_their_axis_bound():
+  """The not-applicable cells of the models that reduce over their data axis: JAX's own error, jaxaccum aside."""
+  for model in (m for m in MODELS.values() if m.syncs is not None):
+    init = model.init(jax.random.PRNGKey(0))
+    params, state = init if model.has_state else (init, None)
+    batch = model.batch(jax.random.PRNGKey(1), N)
+    with pytest.raises(NameError, match=f"unbound axis name: {model.syncs}"):
+      grad_and_state(model, params, state, batch)
+    bound(model, grad_and_state)(model, params, state, batch)  # and with the axis bound, the reference runs
 
 
 # --- the docs page: generated from CELLS (which the tests above hold), never typed ---------------------------------

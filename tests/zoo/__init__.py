@@ -39,6 +39,9 @@ class Model:
     explicit: the loss annotates activations with the "data" axis (needs an Explicit mesh context).
     annotates_data: the loss names the "data" axis in sharding annotations on an Auto mesh (needs a mesh context
       with that axis, of size 1 where the entry point has none).
+    syncs: the data axis the loss itself reduces over (`lax.pmean`/`psum` inside the model: synchronized
+      BatchNorm, a global token count), or None. Such a loss runs only where that axis is bound; its groups are
+      each microbatch across the devices that share it, and the reference binds the axis with size 1.
     fresh: called before each use of the model (a module-level `@jax.shard_map` keeps the mesh of its first
       call: each cell reloads its module, as a fresh process would import it), or None.
     rtol, atol: tolerance against the reference (float64: 1e-10; bf16: scaled to bf16).
@@ -63,11 +66,12 @@ class Model:
   linen: Any = None
   nnx: Any = None
   fresh: Callable[[], Any] | None = None
+  syncs: str | None = None
 
 
 def models() -> list[Model]:
   """Every model of the zoo, in the matrix's row order."""
-  from zoo import annotated_models, constant_models, eqx_models, flax_models, jax_models
+  from zoo import annotated_models, collective_models, constant_models, eqx_models, flax_models, jax_models
 
   return [
     *flax_models.MODELS,
@@ -75,4 +79,5 @@ def models() -> list[Model]:
     *jax_models.MODELS,
     *annotated_models.MODELS,
     *constant_models.MODELS,
+    *collective_models.MODELS,
   ]
