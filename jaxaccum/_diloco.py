@@ -211,14 +211,19 @@ def prepare(anchor: list, source: list, residual, axis_name, replicas: int, comp
   leaves; `residual=None` is no error feedback. A plain function of its
   arguments, for wrappers that run the per-replica step themselves.
   """
-  x = [a - s for a, s in zip(anchor, source, strict=True)]
   beta = compress.beta if isinstance(compress, _sparse.TopK) else 1.0
-  if residual is not None and beta == 1.0:
-    x = [v + e for v, e in zip(x, residual, strict=True)]
-  elif residual is not None:  # SparseLoCo's e <- beta e + Delta
-    x = [v + beta * e for v, e in zip(x, residual, strict=True)]
-  delta, sent = _quantize.wire_mean(x, axis_name, replicas, compress, comm_dtype)
-  return delta, None if residual is None else [v - c for v, c in zip(x, sent, strict=True)]
+
+  def outer_gradient(a, s, e):
+    x = a - s
+    if e is None:
+      return x
+    return x + e if beta == 1.0 else x + beta * e  # SparseLoCo's e <- beta e + Delta
+
+  # Each leaf's x from its inputs, computed when the wire asks (the sparse wire codes one leaf at a time).
+  resid = [None] * len(anchor) if residual is None else residual
+  leaves = [lambda order, t=t: outer_gradient(*order(t)) for t in zip(anchor, source, resid, strict=True)]
+  delta, left = _quantize.wire_mean(leaves, axis_name, replicas, compress, comm_dtype)
+  return delta, None if residual is None else left
 
 
 def merge(outer, delta, outer_state, anchor, params: list, local_updates: list, alpha: float, like):

@@ -4,7 +4,9 @@
 leaves `xs` of one fragment on each replica p,
 
     Delta = (1/P) sum_p C(x_p)      as the wire computes it, and
-    c_p   = C(x_p)                  what this replica sent (for error feedback).
+    x_p - C(x_p)                    what this replica did not send (error feedback keeps it),
+
+the latter computed leaf by leaf, so that no whole copy of what was sent is held.
 
 Float wires (`comm_dtype`, or `compress="bf16"`): C(x) = x rounded to the wire
 dtype; one all-reduce in that dtype (XLA:CPU widens bf16 all-reduces to f32 in
@@ -86,20 +88,36 @@ def _explicit_spec(x):
   return spec if spec is not None and any(e is not None for e in spec) else None
 
 
-def wire_mean(xs: list, axis_name, replicas: int, compress, comm_dtype):
-  """(Delta, sent): the mean over `axis_name` of C(x) for each leaf of `xs`, and this replica's C(x)."""
-  sparse = isinstance(compress, _sparse.TopK)
-  specs = [_explicit_spec(x) for x in xs] if sparse or compress in QMAX else []
+def _whole(x):
+  """(x gathered whole over the Explicit axes that shard it, the way back to its layout)."""
+  spec = _explicit_spec(x)
+  if spec is None:
+    return x, lambda y: y
+  return jax.sharding.reshard(x, PartitionSpec()), lambda y: jax.sharding.reshard(y, spec)
+
+
+def wire_mean(leaves: list, axis_name, replicas: int, compress, comm_dtype):
+  """(Delta, left): the mean over `axis_name` of C(x) for each leaf, and this replica's x - C(x).
+
+  `leaves[i](order)` computes leaf i's x from its inputs passed through `order` (see `_sparse.wire_mean`,
+  which codes one leaf at a time; the other wires take every leaf at once)."""
+  if isinstance(compress, _sparse.TopK):
+    # Blocks run across the raveled leaf, so across its shards over Explicit axes (e.g. fsdp's "data" within
+    # a replica): each leaf is gathered over those (fast) axes, coded whole and laid back out, one at a time.
+    return _sparse.wire_mean([lambda order, f=f: _whole(f(order)) for f in leaves], axis_name, replicas, compress)
+  return _dense_mean([f(lambda inputs: inputs) for f in leaves], axis_name, replicas, compress, comm_dtype)
+
+
+def _dense_mean(xs: list, axis_name, replicas: int, compress, comm_dtype):
+  specs = [_explicit_spec(x) for x in xs] if compress in QMAX else []
   if any(s is not None for s in specs):
     # Blocks of 64 run across the raveled leaf, so across its shards over Explicit axes (e.g. fsdp's
     # "data" within a replica): gather the leaf over those (fast) axes, code it whole, lay the results
     # back out as the leaf was. The replica-axis collectives are unchanged.
     whole = [x if s is None else jax.sharding.reshard(x, PartitionSpec()) for x, s in zip(xs, specs, strict=True)]
-    delta, sent = wire_mean(whole, axis_name, replicas, compress, comm_dtype)
+    delta, left = _dense_mean(whole, axis_name, replicas, compress, comm_dtype)
     back = lambda ys: [y if s is None else jax.sharding.reshard(y, s) for y, s in zip(ys, specs, strict=True)]
-    return back(delta), back(sent)
-  if sparse:
-    return _sparse.wire_mean(xs, axis_name, replicas, compress)
+    return back(delta), back(left)
   if compress in QMAX:
     qmax = QMAX[compress]
     absmax = [block_absmax(x) for x in xs]
@@ -114,10 +132,9 @@ def wire_mean(xs: list, axis_name, replicas: int, compress, comm_dtype):
     wide = code_sum_dtype(qmax, replicas)
     sums = _lowcomm_util.reduce_over(lax.psum, [q.astype(wide) for q in codes], axis_name)
     delta = [(t.astype(x.dtype) * s) / jnp.asarray(replicas, x.dtype) for t, s, x in zip(sums, scales, xs, strict=True)]
-    sent = [q.astype(x.dtype) * s for q, s, x in zip(codes, scales, xs, strict=True)]
-    return delta, sent
+    return delta, [x - q.astype(x.dtype) * s for q, s, x in zip(codes, scales, xs, strict=True)]
   dtype = jnp.dtype(jnp.bfloat16) if compress == "bf16" else comm_dtype
   sent = xs if dtype is None else [x.astype(dtype) for x in xs]
   sums = _lowcomm_util.reduce_over(lax.psum, list(sent), axis_name)
   delta = [t.astype(x.dtype) / jnp.asarray(replicas, x.dtype) for t, x in zip(sums, xs, strict=True)]
-  return delta, [c.astype(x.dtype) for c, x in zip(sent, xs, strict=True)]
+  return delta, [x - c.astype(x.dtype) for c, x in zip(sent, xs, strict=True)]

@@ -131,21 +131,40 @@ def decode(codes, scales, bits: int, dtype):
   return sign * (mag * step)
 
 
-def _hot(idx, chunk: int):
-  """(..., k) indices local to their chunk -> (..., k, C) one-hot booleans (the k indices of a chunk differ)."""
-  return idx[..., None] == jnp.arange(chunk, dtype=idx.dtype)
+def _column(a, j):
+  """a[..., j] keeping the axis, for a traced j."""
+  return lax.dynamic_slice_in_dim(a, j, 1, axis=-1)
 
 
 def _read(chunks, idx):
-  """chunks[..., idx] per chunk, (..., n, k): a masked sum with one term, exact (no gather, see `encode`)."""
-  hot = _hot(idx, chunks.shape[-1])
-  return jnp.sum(jnp.where(hot, chunks[..., None, :], jnp.zeros((), chunks.dtype)), axis=-1)
+  """chunks[..., idx] per chunk, (..., n, k): for each j a masked sum with one term, exact (no gather, see `encode`).
+
+  One pass over the chunks per kept column, in a loop: a one-hot (..., n, k, C) mask would be materialised
+  (k times the leaf in temporaries)."""
+  cols = jnp.arange(chunks.shape[-1], dtype=idx.dtype)
+  zero = jnp.zeros((), chunks.dtype)
+
+  def one(j):
+    return jnp.sum(jnp.where(_column(idx, j) == cols, chunks, zero), axis=-1, keepdims=True)
+
+  # The loop starts from column 0 (broadcast): a carry typed like the values (varying in a shard_map).
+  column = lambda j, kept: lax.dynamic_update_slice_in_dim(kept, one(j), j, axis=-1)
+  return lax.fori_loop(1, idx.shape[-1], column, jnp.broadcast_to(one(0), idx.shape))
 
 
 def _write(values, idx, chunk: int):
-  """(..., n, C) zeros with `values` (..., n, k) at `idx`: a masked sum with at most one term, exact (no scatter)."""
-  hot = _hot(idx, chunk)
-  return jnp.sum(jnp.where(hot, values[..., None], jnp.zeros((), values.dtype)), axis=-2)
+  """(..., n, C) zeros plus `values` (..., n, k) at `idx`, exact (no scatter): one masked add per column.
+
+  Where several columns name one position (the replicas' payloads in `wire_mean`) their values add in
+  column order; within one payload a chunk's indices differ."""
+  cols = jnp.arange(chunk, dtype=idx.dtype)
+  zero = jnp.zeros((), values.dtype)
+
+  def one(j):
+    return jnp.where(_column(idx, j) == cols, _column(values, j), zero)
+
+  # From column 0: a carry typed like the values (varying in a shard_map).
+  return lax.fori_loop(1, idx.shape[-1], lambda j, out: out + one(j), one(0))
 
 
 def encode(x, spec: TopK):
@@ -178,24 +197,47 @@ def payload_bytes(size: int, spec: TopK) -> tuple[int, int, int]:
   return -(-n * spec.k * spec.index_bits // 8), -(-n * spec.k * spec.bits // 8), 2 * n
 
 
-def wire_mean(xs: list, axis_name, replicas: int, spec: TopK):
-  """(Delta, sent): (1/P) sum_p c_p for each leaf of `xs`, decoded from one all-gather, and this replica's c_p."""
-  parts, sent = [], []
-  for x in xs:
+def _after(x, done):
+  """`x`, available only once `done` is computed: the leaves are coded (and decoded) one after another.
+
+  Each leaf's coding holds temporaries the size of the leaf (its outer gradient, on CPU a sort of its
+  magnitudes and their indices); without an order XLA may compute every leaf's at once, several times
+  the parameters in all. The barrier orders, it computes nothing."""
+  return lax.optimization_barrier((x, done))[0]
+
+
+def wire_mean(leaves: list, axis_name, replicas: int, spec: TopK):
+  """(Delta, left): (1/P) sum_p c_p for each leaf, decoded from one all-gather, and this replica's x - c_p.
+
+  `leaves[i](order)` computes leaf i's x from its inputs passed through `order` (which makes them wait
+  for the previous leaf), and returns (x, back): x whole, and how to lay a whole leaf back out as the
+  inputs are. So at most one leaf's outer gradient and coding temporaries are live at a time.
+  """
+  parts, left, backs, shapes, prev = [], [], [], [], None
+  for leaf in leaves:
+    x, back = leaf(lambda inputs, prev=prev: inputs if prev is None else _after(inputs, prev))
     idx, codes, scales, c = encode(x, spec)
     parts += [pack(idx, spec.index_bits), pack(codes, spec.bits), lax.bitcast_convert_type(scales, jnp.uint8).ravel()]
-    sent.append(c)
+    left.append(back(x - c))  # x and c die here
+    backs.append(back)
+    shapes.append((x.size, x.shape, x.dtype))
+    prev = (parts[-1], left[-1])
   everyone = lax.all_gather(jnp.concatenate(parts), axis_name)  # (P, payload bytes): the only collective
-  delta, offset = [], 0
-  for x in xs:
-    n, k = -(-x.size // spec.chunk), spec.k
-    cuts = offset + np.cumsum((0, *payload_bytes(x.size, spec)))
+  delta: list = []
+  offset = 0
+  for back, (size, shape, dtype) in zip(backs, shapes, strict=True):
+    n, k = -(-size // spec.chunk), spec.k
+    cuts = offset + np.cumsum((0, *payload_bytes(size, spec)))
     idx_b, code_b, scale_b = (everyone[:, lo:hi] for lo, hi in zip(cuts[:-1], cuts[1:], strict=True))
+    if delta:
+      idx_b = _after(idx_b, delta[-1])
     offset = int(cuts[-1])
     idx = unpack(idx_b, spec.index_bits, n * k).reshape(replicas, n, k).astype(jnp.int32)
     codes = unpack(code_b, spec.bits, n * k).reshape(replicas, n, k)
     scales = lax.bitcast_convert_type(scale_b.reshape(replicas, n, 2), jnp.bfloat16)
-    dense = _write(decode(codes, scales, spec.bits, x.dtype), idx, spec.chunk)  # (P, n, C), no scatter
-    total = jnp.sum(dense, axis=0).reshape(-1)[: x.size].reshape(x.shape)
-    delta.append(total / jnp.asarray(replicas, x.dtype))
-  return delta, sent
+    # Every replica's values written into one (n, C) buffer: the P k terms of a chunk in one masked sum (at most
+    # one term per replica at each position), so no dense (P, n, C) copy per replica is ever held.
+    values = jnp.moveaxis(decode(codes, scales, spec.bits, dtype), 0, 1).reshape(n, replicas * k)
+    total = _write(values, jnp.moveaxis(idx, 0, 1).reshape(n, replicas * k), spec.chunk)
+    delta.append(back(total.reshape(-1)[:size].reshape(shape) / jnp.asarray(replicas, dtype)))
+  return delta, left

@@ -276,7 +276,7 @@ def diloco_train_step(
   fragments: Any = 1,
   delay: int = 0,
   alpha: float = 0.0,
-  compress: str | None = None,
+  compress: str | lowcomm.TopK | None = None,
   error_feedback: bool = False,
 ) -> DiLoCoTrainStep:
   """(Streaming) DiLoCo over `replica_axis` of the step's mesh, around a `make_train_step` step.

@@ -150,55 +150,75 @@ def _peak(compiled) -> int:
 
 
 def fsdp_memory(quick: bool = False) -> dict:
-  """diloco_train_step around fsdp: per-device peak against the bare fsdp step's, from compiled memory analysis."""
-  from jaxaccum import sharded, slowlink, train_step  # noqa: PLC0415
+  """diloco_train_step around ddp/fsdp, dense and sparse wire: per-device peak against the bare step's."""
+  from jaxaccum import _sparse, sharded, slowlink, train_step  # noqa: PLC0415
 
   width, depth, data = (128, 2, 4) if quick else (1024, 4, 4)
   params = mlp_params(jax.random.PRNGKey(0), width, depth)
   param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+  leaf_bytes = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   batch = (jnp.ones((16, width), jnp.float32), jnp.zeros((16, width), jnp.float32))
   inner, outer = optax.adamw(1e-3), optax.sgd(0.7, momentum=0.9, nesterov=True)
   one = jax.make_mesh((data,), ("data",), devices=jax.devices()[:data])
   replicas = jax.make_mesh((2, data), ("replica", "data"), devices=jax.devices()[: 2 * data])
+  topk = _sparse.TopK()
   rows, cases = [], {}
   for strategy in ("ddp", "fsdp"):
     bare = train_step.make_train_step(mlp_loss, inner, mesh=one, strategy=strategy)
     p, s = sharded.shard_train_state(params, inner, one, strategy=strategy)
     bare_peak = _peak(bare.lower(p, s, jax.tree.map(lambda a: a[:8], batch)).compile())
-    step = slowlink.diloco_train_step(
-      train_step.make_train_step(mlp_loss, inner, mesh=replicas, strategy=strategy), outer, 32
-    )
-    p, s = step.init(params)
-    peak = _peak(step.lower(p, s, batch).compile())
-    # DiLoCo's own buffers: the anchor, the outer momentum and one outer gradient Delta (params-sized each),
-    # held 1/data per device around fsdp, whole around ddp.
-    own = 3 * param_bytes / (data if strategy == "fsdp" else 1)
-    cases[strategy] = {
-      "bare_peak": bare_peak,
-      "diloco_peak": peak,
-      "diloco_buffers": own,
-      "excess_over_bare_plus_buffers": peak - bare_peak - own,
-      "ratio_without_buffers": (peak - own) / bare_peak,
-    }
-    rows.append(
-      f"| {strategy} | {bare_peak / 2**20:.2f} | {peak / 2**20:.2f} | {own / 2**20:.2f} "
-      f"| {(bare_peak + own) / 2**20:.2f} | {(peak - own) / bare_peak:.3f}x |"
-    )
+    for wire in ("dense", "TopK"):
+      sparse = wire == "TopK"
+      step = slowlink.diloco_train_step(
+        train_step.make_train_step(mlp_loss, inner, mesh=replicas, strategy=strategy),
+        outer,
+        32,
+        compress=topk if sparse else None,
+        error_feedback=sparse,
+      )
+      p, s = step.init(params)
+      peak = _peak(step.lower(p, s, batch).compile())
+      # DiLoCo's own buffers: the anchor, the outer momentum and one outer gradient Delta (params-sized each),
+      # and with the sparse wire its error-feedback residual; held 1/data per device around fsdp, whole around ddp.
+      own = (4 if sparse else 3) * param_bytes / (data if strategy == "fsdp" else 1)
+      excess = peak - bare_peak - own
+      cases[f"{strategy} {wire}"] = {
+        "bare_peak": bare_peak,
+        "diloco_peak": peak,
+        "diloco_buffers": own,
+        "excess_over_bare_plus_buffers": excess,
+        "excess_in_largest_leaves": excess / leaf_bytes,
+        "ratio_without_buffers": (peak - own) / bare_peak,
+      }
+      rows.append(
+        f"| {strategy} | {wire} | {bare_peak / 2**20:.2f} | {peak / 2**20:.2f} | {own / 2**20:.2f} "
+        f"| {(bare_peak + own) / 2**20:.2f} | {(peak - own) / bare_peak:.3f}x | {excess / leaf_bytes:+.2f} |"
+      )
   table = "\n".join(
     [
-      f"MLP {depth}x{width}, float32 params ({param_bytes / 2**20:.1f} MiB), inner AdamW, outer Nesterov, H = 32. "
-      f"Bare: the step on a data={data} mesh; DiLoCo: diloco_train_step around the same strategy on a "
-      f"(replica=2, data={data}) mesh. Per-device peak from compiled memory analysis (arguments + outputs + "
-      "temporaries - aliased). DiLoCo's own buffers: anchor, outer momentum and one outer gradient, divided by the "
-      "data-axis size where the step shards parameters (fsdp).",
+      f"MLP {depth}x{width}, float32 params ({param_bytes / 2**20:.1f} MiB, largest leaf "
+      f"{leaf_bytes / 2**20:.1f} MiB), inner AdamW, outer Nesterov, H = 32; sparse wire `ja.TopK()` "
+      f"(density 1/32, chunk 64, 2 bits) with error feedback. Bare: the step on a data={data} mesh; DiLoCo: "
+      f"diloco_train_step around the same strategy on a (replica=2, data={data}) mesh. Per-device peak from "
+      "compiled memory analysis (arguments + outputs + temporaries - aliased). DiLoCo's own buffers: anchor, "
+      "outer momentum and one outer gradient (and the residual with TopK), divided by the data-axis size where "
+      "the step shards parameters (fsdp). Last column: the peak beyond bare + buffers, in units of the largest "
+      "leaf (whole).",
       "",
-      "| strategy inside each replica | bare step peak MiB | DiLoCo peak MiB | DiLoCo's buffers MiB "
-      "| bare + buffers MiB | DiLoCo peak without its buffers / bare |",
-      "|---|---|---|---|---|---|",
+      "| strategy inside each replica | wire | bare step peak MiB | DiLoCo peak MiB | DiLoCo's buffers MiB "
+      "| bare + buffers MiB | DiLoCo peak without its buffers / bare | beyond bare + buffers, largest leaves |",
+      "|---|---|---|---|---|---|---|---|",
       *rows,
     ]
   )
-  data_ = {"width": width, "depth": depth, "data_axis_size": data, "param_bytes": param_bytes, "cases": cases}
+  data_ = {
+    "width": width,
+    "depth": depth,
+    "data_axis_size": data,
+    "param_bytes": param_bytes,
+    "largest_leaf_bytes": leaf_bytes,
+    "cases": cases,
+  }
   return {"title": "lowcomm: fsdp inside each replica, per-device peak", "markdown": table, "data": data_}
 
 
