@@ -242,7 +242,10 @@ def local_sums(run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, s
   outputs' abstract tree giving the reductions.
   """
   first = sp.take(0)
-  closed, like = jax.make_jaxpr(lambda mbs: run(mbs, 0), return_shape=True)(first)
+  index = jax.ShapeDtypeStruct((), jnp.arange(sp.k).dtype)  # the scan's microbatch index
+  # `run` is traced once, here: the loop below replays this jaxpr (JAX's own evaluator) instead of tracing
+  # the user's loss, its gradient and the layerwise gathers a second time (half of the step's trace time).
+  closed, like = jax.make_jaxpr(run, return_shape=True)(first, index)
   if sp.k > 1 and check_batch:
     _check_depends_on_batch(closed.jaxpr, len(jax.tree.leaves(first)), len(jax.tree.leaves(like)))
   shapes, treedef = jax.tree.flatten(like)
@@ -254,6 +257,13 @@ def local_sums(run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, s
   ws = ws.astype(_wdtype(shapes, reds, accumulator_dtype))
   ok, wsum = jnp.all(_weight_ok(ws)), jnp.sum(ws)
   flatten = treedef.flatten_up_to  # type: ignore[attr-defined]  # jaxlib types PyTreeDef loosely
+  replay = jax.extend.core.jaxpr_as_fun(closed)
+
+  def run(mbs, i):
+    outs = replay(*jax.tree.leaves(mbs), jnp.asarray(i, index.dtype))
+    # A constant output (a Python float) comes back as the jaxpr's literal: an array again, typed as traced.
+    return jax.tree.unflatten(treedef, [jnp.asarray(o, s.dtype) for o, s in zip(outs, shapes, strict=True)])
+
   if sp.k == 1 and skip is False:
     out = run(first, 0)
     accs = [
