@@ -259,7 +259,7 @@ def local_sums(run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, s
   flatten = treedef.flatten_up_to  # type: ignore[attr-defined]  # jaxlib types PyTreeDef loosely
   replay = jax.extend.core.jaxpr_as_fun(closed)
 
-  def run(mbs, i):
+  def run(mbs, i):  # type: ignore[no-redef]  # the same function, traced once
     outs = replay(*jax.tree.leaves(mbs), jnp.asarray(i, index.dtype))
     # A constant output (a Python float) comes back as the jaxpr's literal: an array again, typed as traced.
     return jax.tree.unflatten(treedef, [jnp.asarray(o, s.dtype) for o, s in zip(outs, shapes, strict=True)])
