@@ -158,7 +158,7 @@ def shard_map_keeps_free_explicit_axes() -> None:
   def typed(ctx, mesh, manual_axes, spec, aval_in):
     sharding = getattr(aval_in, "sharding", None)
     m = getattr(sharding, "mesh", None)
-    if m is not None and not m.empty and getattr(m, "_are_all_axes_explicit_or_manual", False):
+    if sharding is not None and m is not None and not m.empty and getattr(m, "_are_all_axes_explicit_or_manual", False):
       spec = sharding.spec
     return rule(ctx, mesh, manual_axes, spec, aval_in)
 

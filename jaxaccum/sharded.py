@@ -526,9 +526,10 @@ def _model_blocks(fn, leaves, axis, xs):
   # those vary too, so each set of axes gets its own buffer; untyped (the step's map), one buffer.
   kinds = [frozenset(n for e in spec for n in _names(e)) if check else None for spec in specs]
   mesh = jax.sharding.get_abstract_mesh()
-  specs = tuple(specs)
   body = lambda *ys: tuple(fn(list(ys), kinds))
-  mapped = jax.shard_map(body, mesh=mesh, axis_names=names, in_specs=specs, out_specs=specs, check_vma=check)
+  mapped = jax.shard_map(
+    body, mesh=mesh, axis_names=names, in_specs=tuple(specs), out_specs=tuple(specs), check_vma=check
+  )
   return list(mapped(*xs))
 
 

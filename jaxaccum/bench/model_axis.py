@@ -136,6 +136,8 @@ def _maxtext_module():
   if not path.is_file():
     return None
   spec = importlib.util.spec_from_file_location("_port_maxtext_layer", path)
+  if spec is None or spec.loader is None:
+    return None
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # Flax's dataclasses look their module up
   spec.loader.exec_module(module)
