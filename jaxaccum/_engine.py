@@ -52,7 +52,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxaccum import _per_device, _program, _tree, parallel, sharded
+from jaxaccum import _jax_private, _per_device, _program, _tree, parallel, sharded
 from jaxaccum import noise as _noise
 from jaxaccum._layerwise import layerwise
 from jaxaccum._split import split, weights
@@ -92,6 +92,8 @@ def step(cfg: Config, given, params, state, opt_state, batch, key):
     grads, out = _local(cfg, None, params, state, batch, key)
     return _update(cfg, None, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
   plan, mesh = cfg.plan, cfg.mesh
+  if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    _jax_private.shard_map_keeps_free_explicit_axes()  # jax 0.10: see there (a no-op on later versions)
   program = _traced(cfg, params, state, batch, key)
   cfg = cfg._replace(loss_fn=program, aux_reductions=_aux_rule(cfg, program, params, state, batch, key))
   layouts = sharded._layouts(params, mesh, plan, placed=False, given=given)
@@ -222,14 +224,14 @@ def _local(cfg: Config, flat, params, state, batch, key):
     # device has a real microbatch there; padding then adds exactly nothing.
     skip = lax.psum((ws > 0).astype(jnp.int32), axis) > 0
   sums = local_sums(run, sp, ws, reductions=reductions, skip=skip)
-  grads = sums.accs[:n_grads]
+  grads = sums.accs[:n_grads] if coll is None else coll.pin(sums.accs[:n_grads])
   rest = sums._replace(accs=sums.accs[n_grads:], reds=sums.reds[n_grads:], like=sums.like[1:], single=None)
   if coll is None:
     out, _ = finish(rest, None, total=total)
   else:
     reduce_rest = lambda small: finish(rest, axis, total=total, extra=small)
     grads, (out, _, small) = coll.reduce(grads, reduce_rest, scattered=plan.params_sharded and cfg.lean)
-    grads = coll.merge(grads, small)
+    grads = coll.pin(coll.merge(grads, small))
   return grads, _outputs(cfg, out, state, axis, total)
 
 
@@ -458,6 +460,11 @@ class _Collectives:
     self.size = 1 if self.axis is None else mesh.shape[self.axis]
     # Leaves sharded over the shard axis: reduce-scattered (and, for fsdp, gathered); the rest all-reduced.
     self.sharded = [j for j, lay in enumerate(flat) if self.axis is not None and lay.dim is not None]
+
+  def pin(self, leaves):
+    """Gradient leaves (full or blocks) laid out over the free Auto axes as their parameters are (`sharded._pin`)."""
+    manual = set(self.plan.batch_axes)
+    return [sharded._pin(x, lay, manual) for x, lay in zip(leaves, self.flat, strict=True)]
 
   def gather(self, params):
     """The sharded leaves of `params` all-gathered to full size (varying: each device computes with them)."""

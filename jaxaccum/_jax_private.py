@@ -124,3 +124,42 @@ def arrays_typed_on(retype):
     yield
   finally:
     mappings[_array.ArrayImpl] = before
+
+
+_SHARD_MAP_TYPED_BOUNDARY = False
+
+
+def shard_map_keeps_free_explicit_axes() -> None:
+  """Makes a partial-manual `jax.shard_map` keep its arguments' and results' shardings over the free Explicit axes.
+
+  jax 0.10.2 lowers a `shard_map` manual over some axes of an Explicit mesh with boundary shardings built
+  from its `in_specs`/`out_specs` alone (`jax._src.shard_map._shardy_shard_map_sharding(ctx, mesh,
+  manual_axes, spec, aval_in)`), closed on the other axes: an argument typed `f32[64@model, 32]` enters
+  replicated over "model" (an all-gather, and `dynamic-slice`s by partition id where the body's
+  annotations shard it again), and every result leaves replicated over "model" (another all-gather, then
+  a slice for the caller's type). jax 0.11 and later build them from the value's type when every mesh
+  axis is Explicit or Manual (`aval.sharding.spec`). This gives 0.10 that rule: the same values, the
+  collectives gone. Installed once, process-wide, by the first step built on such a mesh; a no-op where
+  JAX already lowers so (its rule's last parameter is `aval`, not `aval_in`). Checked on 0.10.2 (patched)
+  and 0.12.0.1 (left alone).
+  """
+  global _SHARD_MAP_TYPED_BOUNDARY
+  if _SHARD_MAP_TYPED_BOUNDARY:
+    return
+  _SHARD_MAP_TYPED_BOUNDARY = True
+  import inspect  # noqa: PLC0415
+
+  from jax._src import shard_map as _shard_map  # noqa: PLC0415, PLC2701
+
+  rule = getattr(_shard_map, "_shardy_shard_map_sharding", None)
+  if rule is None or list(inspect.signature(rule).parameters)[-1:] != ["aval_in"]:
+    return
+
+  def typed(ctx, mesh, manual_axes, spec, aval_in):
+    sharding = getattr(aval_in, "sharding", None)
+    m = getattr(sharding, "mesh", None)
+    if sharding is not None and m is not None and not m.empty and getattr(m, "_are_all_axes_explicit_or_manual", False):
+      spec = sharding.spec
+    return rule(ctx, mesh, manual_axes, spec, aval_in)
+
+  _shard_map._shardy_shard_map_sharding = typed

@@ -454,6 +454,30 @@ def _free_explicit() -> set:
   )
 
 
+def _pin(x, leaf, manual):
+  """Inside the per-device map: `x` (a leaf's gradient, local block or full) laid out over the Auto axes the map
+  leaves free as the leaf's parameter is (`leaf.param_spec` less the `manual` axes).
+
+  A parameter's gradient left open there is the partitioner's choice: on a (data, model) mesh it may keep
+  a replicated norm scale's gradient split over "model" across the reduction and the update, then gather it
+  (one all-gather per leaf per step, or per microbatch), or split a "model"-sharded one another way. The plain
+  `jit` step gets the layout its update wants from its outputs; this gives the map's gradients the same
+  one. Explicit axes need nothing: the gradient's type already says it; UNCONSTRAINED (a layout unknown
+  inside an outer jit) stays open.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  auto = {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Auto and n not in manual}
+  if not auto:
+    return x
+  entries = [
+    e if e is PartitionSpec.UNCONSTRAINED else tuple(n for n in _names(e) if n in auto) or None
+    for e in _entries(leaf.param_spec, np.ndim(x))
+  ]
+  return lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*entries)))
+
+
 def _auto_other(fn, leaf, axis, *, every_explicit: bool = False):
   """`fn` (a collective over the manual `axis`) on a leaf that other mesh axes (e.g. "model") also shard.
 
@@ -479,30 +503,61 @@ def _auto_other(fn, leaf, axis, *, every_explicit: bool = False):
   return jax.shard_map(fn, mesh=mesh, axis_names=others, in_specs=spec, out_specs=spec, check_vma=check)
 
 
+def _model_blocks(fn, leaves, axis, xs):
+  """`fn(local xs) -> local outs` run on each device's model blocks: one `jax.shard_map` for every leaf together.
+
+  Manual over every mesh axis other than the data axis that some leaf is sharded over (and every free
+  Explicit one, see `_auto_other`), each leaf with its own spec over them: inside, a leaf that "model"
+  shards is its local block and a replicated one is whole, both plain local arrays, so one packed buffer
+  (one collective per dtype) carries them all, as it does with no model axis. Before, each such leaf had
+  its own map and its own collective (17 all-gathers per step for the MaxText layer port's fsdp "once").
+  With no such axis, `fn` runs as it is.
+  """
+  specs, others = [], set()
+  for leaf in leaves:
+    entries = [None if axis in _names(e) or e is PartitionSpec.UNCONSTRAINED else e for e in leaf.param_spec]
+    others |= {n for e in entries for n in _names(e)}
+    specs.append(_spec(entries))
+  if not others:
+    return fn(list(xs), None)
+  names = others | _free_explicit()
+  check = parallel.vma_tracking(axis)
+  # Typed (the zero1 gather's map): a buffer mixing blocks that vary over "model" with whole leaves would make
+  # those vary too, so each set of axes gets its own buffer; untyped (the step's map), one buffer.
+  kinds = [frozenset(n for e in spec for n in _names(e)) if check else None for spec in specs]
+  mesh = jax.sharding.get_abstract_mesh()
+  body = lambda *ys: tuple(fn(list(ys), kinds))
+  mapped = jax.shard_map(
+    body, mesh=mesh, axis_names=names, in_specs=tuple(specs), out_specs=tuple(specs), check_vma=check
+  )
+  return list(mapped(*xs))
+
+
 def _reduce_scatter(xs, leaves, axis, size, wire):
   """Sum over `axis`, each device keeping its block of dimension `leaf.dim`: one instruction per dtype.
 
   `xs`: local full-size arrays (one per leaf with a dim); returns the local blocks
-  in each x's own dtype. `wire`: the dtype sent (None: each x's own).
+  in each x's own dtype. `wire`: the dtype sent (None: each x's own). Leaves that
+  another mesh axis shards are packed with the rest (`_model_blocks`).
   """
+  if any(leaf.other for leaf in leaves):
+    rs = lambda ys, kinds: _packed_reduce_scatter(ys, leaves, axis, size, wire, free=False, kinds=kinds)
+    return _model_blocks(rs, leaves, axis, xs)
+  return _packed_reduce_scatter(xs, leaves, axis, size, wire, free=True)
+
+
+def _packed_reduce_scatter(xs, leaves, axis, size, wire, *, free: bool, kinds=None):
   out: list[Any] = [None] * len(xs)
-  packable = []
-  for j, (x, leaf) in enumerate(zip(xs, leaves, strict=True)):
-    w = jnp.dtype(wire) if wire is not None else x.dtype
-    if leaf.other:
-      rs = lambda y, d=leaf.dim: lax.psum_scatter(y, axis, scatter_dimension=d, tiled=True)
-      out[j] = _auto_other(rs, leaf, axis, every_explicit=True)(x.astype(w)).astype(x.dtype)
-    else:
-      packable.append((j, w))
-  for group in _groups(packable, key=lambda jw: jw[1]):
+  packable = [(j, jnp.dtype(wire) if wire is not None else x.dtype) for j, x in enumerate(xs)]
+  for group in _groups(packable, key=lambda jw: (jw[1], None if kinds is None else kinds[jw[0]])):
     # Row p of the buffer holds block p of every leaf (dim moved to the front and flattened).
     rows = [jnp.moveaxis(xs[j], leaves[j].dim, 0).astype(w).reshape(size, -1) for j, w in group]
     scatter = lambda buf: lax.psum_scatter(buf, axis, scatter_dimension=0, tiled=False)
-    if free := _free_explicit():  # see `_auto_other`: the buffer is replicated over them, nothing moves
+    if free and (names := _free_explicit()):  # see `_auto_other`: the buffer is replicated over them, nothing moves
       mesh = jax.sharding.get_abstract_mesh()
       check = parallel.vma_tracking(axis)
       scatter = jax.shard_map(
-        scatter, mesh=mesh, axis_names=free, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=check
+        scatter, mesh=mesh, axis_names=names, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=check
       )
     mine = scatter(jnp.concatenate(rows, axis=1))
     offset = 0
@@ -517,16 +572,16 @@ def _reduce_scatter(xs, leaves, axis, size, wire):
 
 
 def _all_gather(xs, leaves, axis, size, to):
-  """Inverse of `_reduce_scatter`'s layout: local blocks -> full arrays, one instruction per dtype."""
+  """Inverse of `_reduce_scatter`'s layout: local blocks -> full arrays, one instruction per dtype (leaves that
+  another mesh axis shards packed with the rest, `_model_blocks`)."""
+  if any(leaf.other for leaf in leaves):
+    return _model_blocks(lambda ys, kinds: _packed_all_gather(ys, leaves, axis, size, to, kinds), leaves, axis, xs)
+  return _packed_all_gather(xs, leaves, axis, size, to)
+
+
+def _packed_all_gather(xs, leaves, axis, size, to, kinds=None):
   out: list[Any] = [None] * len(xs)
-  packable = []
-  for j, (x, leaf) in enumerate(zip(xs, leaves, strict=True)):
-    if leaf.other:
-      ag = lambda y, d=leaf.dim: lax.all_gather(y, axis, axis=d, tiled=True, to=to)
-      out[j] = _auto_other(ag, leaf, axis)(x)
-    else:
-      packable.append(j)
-  for group in _groups(packable, key=lambda j: xs[j].dtype):
+  for group in _groups(range(len(xs)), key=lambda j: (xs[j].dtype, None if kinds is None else kinds[j])):
     flats = [jnp.moveaxis(xs[j], leaves[j].dim, 0).reshape(-1) for j in group]
     full = lax.all_gather(jnp.concatenate(flats), axis, axis=0, tiled=False, to=to)
     offset = 0

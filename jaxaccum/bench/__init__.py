@@ -6,7 +6,7 @@ compiled HLO. Multi-device sections run on 8 devices, simulated on CPU when
 the machine has fewer.
 
 One module per section (`accumulate`, `microbatch`, `flax`, `lowcomm`, `sharded`, `fsdp`,
-`noise`, `grad`, `per_example`), each with
+`noise`, `grad`, `per_example`, `model_axis`), each with
 `run(quick) -> list of {"title", "markdown", "data"}`; `common` holds the MLP, its
 data and the timing helpers they share. The JSON adds to each result its `id`
 (section/title slug) and its `tables` as structured rows; `figures` rewrites the
@@ -26,7 +26,18 @@ import platform
 import subprocess
 import time
 
-SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "fsdp", "noise", "grad", "per_example")
+SECTIONS = (
+  "accumulate",
+  "microbatch",
+  "flax",
+  "lowcomm",
+  "sharded",
+  "fsdp",
+  "noise",
+  "grad",
+  "per_example",
+  "model_axis",
+)
 
 
 def _setup_devices(num_devices: int) -> None:
@@ -73,6 +84,17 @@ MEASURES = {
   "noise": ("accumulate.py", "_window.py", "noise.py", "_tree.py", "parallel.py"),
   "grad": ("grad.py", "_program.py", "accumulate.py", "_window.py", "_unreduced.py", "_tree.py"),
   "per_example": ("per_example.py", "_per_device.py", "_tree.py"),
+  "model_axis": (
+    "train_step.py",
+    "_engine.py",
+    "_program.py",
+    "_layerwise.py",
+    "sharded.py",
+    "parallel.py",
+    "_jax_private.py",
+    "hlo.py",
+    "_hlo.py",
+  ),
 }
 _BENCH_FILES = {"lowcomm": ("bench/lowcomm.py", "bench/textlm.py")}
 
