@@ -6,7 +6,7 @@ compiled HLO. Multi-device sections run on 8 devices, simulated on CPU when
 the machine has fewer.
 
 One module per section (`accumulate`, `microbatch`, `flax`, `lowcomm`, `sharded`, `fsdp`,
-`noise`, `grad`, `per_example`), each with
+`noise`, `grad`, `per_example`, `fit`), each with
 `run(quick) -> list of {"title", "markdown", "data"}`; `common` holds the MLP, its
 data and the timing helpers they share. The JSON adds to each result its `id`
 (section/title slug) and its `tables` as structured rows; `figures` rewrites the
@@ -26,7 +26,7 @@ import platform
 import subprocess
 import time
 
-SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "fsdp", "noise", "grad", "per_example")
+SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "fsdp", "noise", "grad", "per_example", "fit")
 
 
 def _setup_devices(num_devices: int) -> None:
@@ -73,8 +73,20 @@ MEASURES = {
   "noise": ("accumulate.py", "_window.py", "noise.py", "_tree.py", "parallel.py"),
   "grad": ("grad.py", "_program.py", "accumulate.py", "_window.py", "_unreduced.py", "_tree.py"),
   "per_example": ("per_example.py", "_per_device.py", "_tree.py"),
+  "fit": (
+    "sharded.py",
+    "planner.py",
+    "train_step.py",
+    "_engine.py",
+    "_program.py",
+    "_layerwise.py",
+    "_sums.py",
+    "parallel.py",
+    "hlo.py",
+    "_hlo.py",
+  ),
 }
-_BENCH_FILES = {"lowcomm": ("bench/lowcomm.py", "bench/textlm.py")}
+_BENCH_FILES = {"lowcomm": ("bench/lowcomm.py", "bench/textlm.py"), "fit": ("bench/fit.py",)}
 
 
 def measured_files(section: str) -> list[pathlib.Path]:
