@@ -94,12 +94,31 @@ def plan_microbatches(
 ) -> MicrobatchPlan:
   """Compiles the step for candidate K and returns the smallest K whose footprint fits the budget.
 
+  With $A$, $O$, $D$ and $T(K)$ the argument, output, aliased (donated) and
+  temporary bytes of one device in the step compiled for $K$ microbatches
+  (`compiled.memory_analysis()`), the plan is
+
+  $$ K^\\star = \\min \\{ K \\in \\text{candidates} : A + O - D + T(K) \\le
+     \\text{memory\\_budget\\_bytes} \\}. $$
+
   Contract: `step_fn` is a factory, `step_fn(K)` returning the step for K
   microbatches, a `jax.jit`-wrapped function (donating what it means to
   donate; a plain function is wrapped in `jax.jit`), e.g.
   `lambda k: ja.make_train_step(loss_fn, opt, num_microbatches=k, mesh=mesh)`.
   It is lowered with `example_args` (arrays or `jax.ShapeDtypeStruct`s, with
   the shardings the real call will have) and compiled; nothing runs.
+
+  From shapes alone, for a model no host could hold: `jax.ShapeDtypeStruct`
+  parameters through `ja.shard_train_state` give the strategy's parameters
+  and optimizer state as `jax.ShapeDtypeStruct`s with their shardings, and a
+  batch of `jax.ShapeDtypeStruct`s with its sharding completes the
+  arguments; nothing is allocated (docs/guides/will-it-fit.md)::
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    p, s = ja.shard_train_state(abstract, opt, mesh, strategy="fsdp")
+    rows = NamedSharding(mesh, P("data"))
+    batch = jax.ShapeDtypeStruct((256, 4096), jnp.int32, sharding=rows)
+    k = ja.plan_microbatches(make, p, s, batch, memory_budget_bytes=80 * 2**30)
 
   Args:
     step_fn: the factory `K -> jitted step`.

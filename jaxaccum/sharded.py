@@ -162,6 +162,8 @@ def _sharding_of(x):
 
 
 def _same_mesh(a, b: Mesh) -> bool:
+  if not isinstance(a, Mesh):  # an AbstractMesh (a sharding from `jax.eval_shape` on Explicit axes): no devices
+    return tuple(a.shape_tuple) == tuple(b.shape_tuple)
   return (
     tuple(a.axis_names) == tuple(b.axis_names)
     and a.devices.shape == b.devices.shape
@@ -189,6 +191,8 @@ def given_spec(x, mesh: Mesh):
   sharding = _sharding_of(x)
   if isinstance(sharding, NamedSharding) and _same_mesh(sharding.mesh, mesh):
     return tuple(_entries(sharding.spec, len(np.shape(x))))
+  if isinstance(sharding, NamedSharding) and not isinstance(sharding.mesh, Mesh):
+    return "other mesh"  # an abstract mesh of other axes or sizes
   if sharding is None or len(sharding.device_set) == 1:
     return "one device"
   return "other mesh" if isinstance(sharding, NamedSharding) else "not named"
@@ -365,7 +369,15 @@ def shard_train_state(params, optimizer, mesh: Mesh, *, strategy: str = "ddp", d
   else replicated. zero1 shards the optimizer state only; fsdp and hsdp shard
   the parameters too (hsdp over its shard axis, replicated over its replica
   axis); ddp replicates both. Shardings the parameters already have over other
-  mesh axes (e.g. "model") are kept.
+  mesh axes (e.g. "model") are kept. With $P$ devices on the shard axis, $N$
+  parameter bytes and $S$ optimizer-state bytes (adam: $S = 2N$ in the
+  parameters' dtype), one device holds
+
+  $$ \\text{ddp}: N + S, \\quad \\text{zero1}: N + S/P, \\quad
+     \\text{fsdp}: (N + S)/P, \\quad \\text{hsdp}: (N + S)/P_\\text{shard} $$
+
+  (up to the leaves no dimension of which the axis size divides: those stay
+  replicated).
 
   Parameters may come placed in any way: host values, on one device,
   replicated, sharded over the data axes by hand or in another strategy's
@@ -379,9 +391,28 @@ def shard_train_state(params, optimizer, mesh: Mesh, *, strategy: str = "ddp", d
   `optimizer.init` whose outputs are laid out sharded (for zero1 it runs on
   each device's slice of the replicated parameters).
 
+  Abstract parameters ("will it fit?" before anything is allocated): given
+  `jax.ShapeDtypeStruct`s (any leaf of `params` one; a sharding they carry on
+  `mesh`'s other axes is kept), it allocates nothing and returns the layout as
+  `jax.ShapeDtypeStruct`s, each with its `NamedSharding` on `mesh`: the shapes,
+  dtypes and shardings the concrete call gives, ready for
+  `step.lower(params, opt_state, batch)` and `ja.plan_microbatches`::
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    params_s, opt_state_s = ja.shard_train_state(abstract, opt, mesh, strategy="fsdp")
+
+  Under a trace (`jax.eval_shape`, `jax.jit`) it lays the traced values out
+  with sharding constraints (`reshard` over Explicit axes) instead of
+  placing them, on Auto and Explicit meshes alike. `jax.eval_shape` then
+  reports the layout in the types over Explicit axes (shardings on the
+  mesh's `AbstractMesh`); over Auto axes the types carry no sharding, so
+  `jax.eval_shape` reports none: pass `jax.ShapeDtypeStruct`s instead. Inside
+  a trace on an Auto mesh a parameter's sharding over other axes is not
+  known and is left to the partitioner.
+
   Args:
-    params: the parameter pytree (host or device arrays; shardings over
-      non-data mesh axes are kept).
+    params: the parameter pytree (host or device arrays, or
+      `jax.ShapeDtypeStruct`s; shardings over non-data mesh axes are kept).
     optimizer: an optax transformation.
     mesh: a mesh holding the data axis (axes).
     strategy: "ddp", "zero1", "fsdp" or "hsdp".
@@ -390,9 +421,12 @@ def shard_train_state(params, optimizer, mesh: Mesh, *, strategy: str = "ddp", d
   Returns:
     `(params, opt_state)`, ready for a step made with the same strategy. The
     returned arrays never share buffers with `params` (steps donate them).
+    For abstract `params`: the same trees of `jax.ShapeDtypeStruct`s with
+    their shardings (nothing allocated, nothing compiled).
   """
   optimizer = _tree.check_optimizer(optimizer, "optimizer")
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  for path, leaf in leaves:
     # A whole training state (e.g. flax's TrainState, with its int step) is the common slip.
     if not (hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)):
       raise TypeError(
@@ -402,21 +436,33 @@ def shard_train_state(params, optimizer, mesh: Mesh, *, strategy: str = "ddp", d
       )
   plan = _make_plan(strategy, mesh, data_axis)
   layouts = _layouts(params, mesh, plan, placed=False)
-  param_sh = jax.tree.map(lambda lay: NamedSharding(mesh, lay.param_spec), layouts, is_leaf=_is_leaf)
+  param_specs = jax.tree.map(lambda lay: lay.param_spec, layouts, is_leaf=_is_leaf)
   opt_specs = jax.tree.map(lambda lay: lay.opt_spec, layouts, is_leaf=_is_leaf)
   params_shape = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _tree.dtype_of(x)), params)
-  specs = state_specs(jax.eval_shape(optimizer.init, params_shape), params_shape, layouts, mesh, plan)
-  state_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-  placed = jax.tree.map(_put, params, param_sh)
+  state_shape = jax.eval_shape(optimizer.init, params_shape)
+  specs = state_specs(state_shape, params_shape, layouts, mesh, plan)
+  is_spec = lambda x: isinstance(x, PartitionSpec)
+  place = lambda tree, specs: jax.tree.map(lambda x, s: _place(x, mesh, s), tree, specs, is_leaf=is_spec)
 
   def init(p):
     # A copy, so that a donating step never deletes the caller's buffers.
     p = jax.tree.map(jnp.copy, p)
-    piece = jax.tree.map(lambda x, s: _place(x, mesh, s), p, opt_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    state = optimizer.init(piece)
-    state = jax.tree.map(lambda x, s: _place(x, mesh, s), state, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    return p, state
+    return p, place(optimizer.init(place(p, opt_specs)), specs)
 
+  if any(isinstance(x, jax.ShapeDtypeStruct) for _, x in leaves):
+    # Abstract: the layout alone, as the concrete call's outputs would be typed (nothing allocated).
+    typed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s))
+    return (
+      jax.tree.map(typed, params_shape, param_specs, is_leaf=is_spec),
+      jax.tree.map(typed, state_shape, specs, is_leaf=is_spec),
+    )
+  if any(isinstance(x, jax.core.Tracer) for _, x in leaves):
+    # Under a trace (jax.eval_shape, an outer jit): constraints in place of placement; a layout not
+    # known on an Auto mesh (UNCONSTRAINED entries) stays the partitioner's.
+    return init(place(params, param_specs))
+  param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs, is_leaf=is_spec)
+  state_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
+  placed = jax.tree.map(_put, params, param_sh)
   return jax.jit(init, out_shardings=(param_sh, state_sh))(placed)
 
 

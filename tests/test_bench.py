@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "fsdp", "noise", "grad", "per_example")
+SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "fsdp", "noise", "grad", "per_example", "fit")
 
 
 def _numbers(tree, path=""):
@@ -122,3 +122,36 @@ def test_every_section_names_the_code_it_measures():
     assert "common.py" in files and len(files) >= 3, (name, files)
     assert len(bench.code_hash(name)) == 16
   assert bench.code_hash("accumulate") != bench.code_hash("noise")
+
+
+def test_fit_models_llama_3_8b_from_shapes():
+  """The fit section's model is Llama-3-8B's shape (8.03e9 parameters), as ShapeDtypeStructs: nothing allocated."""
+  import jax
+
+  from jaxaccum.bench import fit
+
+  params = fit.abstract_params(fit.LLAMA3_8B)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+  assert sum(x.size for x in jax.tree.leaves(params)) == 8_030_261_248  # Llama 3 8B's count
+  n = 4 * 8_030_261_248
+  ddp = fit._floor(fit.LLAMA3_8B, fit.CASES[0], n, 16)
+  fsdp = fit._floor(fit.LLAMA3_8B, fit.CASES[2], n, 16)
+  assert ddp["state"] == 4 * n and fsdp["state"] < n // 2 + n // 10  # 4N/8 and one layer and its gradient
+  assert ddp["saved_layer_inputs"] == 32 * 2 * 4096 * 4096 * 2  # 2 sequences of 4096 tokens per microbatch
+
+
+@pytest.mark.slow  # six compiles of the quick model (a minute)
+def test_fit_section_quick_plans_the_smallest_k_that_fits():
+  from jaxaccum.bench import fit
+
+  (result,) = fit.run(quick=True)
+  rows, plans = result["data"]["rows"], result["data"]["plans"]
+  assert {r["case"] for r in rows} == {"ddp", "fsdp per_microbatch", "hsdp (2 x 4)"}
+  for key, plan in plans.items():
+    case, budget = key.split("/")
+    size = float(budget.split()[0]) * 2 ** (30 if budget.endswith("GiB") else 20)
+    fitting = [r["K"] for r in rows if r["case"] == case and r["peak_bytes"] <= size]
+    assert plan["K"] == (min(fitting) if fitting else None), (key, plan, rows)
+  for r in rows:
+    assert r["peak_bytes"] > 0 and r["floor_bytes"] > 0 and r["axis_bytes"]["data"] > 0
+  assert result["markdown"].count("|") > 4

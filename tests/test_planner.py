@@ -1,9 +1,11 @@
 """plan_microbatches(): the smallest K whose compiled footprint fits, from XLA's memory analysis."""
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from conftest import mlp_init, mse_loss, regression_data
+from jax.sharding import PartitionSpec as P
 
 import jaxaccum as ja
 
@@ -142,3 +144,61 @@ def test_step_options_layerwise_fsdp_smallest_k_first_then_comm_lean():
   got = plan(budget)
   assert (int(got), got.step_options, got.memory_bytes) == (1, options[1], budget)
   assert got.totals == {(1, 0): t[1, "once"], (1, 1): budget}
+
+
+# --------------------------------------------------------------------------- from abstract shapes (issue 39)
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
+def test_plan_from_shape_dtype_structs_equals_plan_from_arrays():
+  """ShapeDtypeStructs -> ja.shard_train_state -> ja.plan_microbatches: the same K and totals as the arrays give."""
+  params = mlp_init(jax.random.PRNGKey(0), (16, 128, 8))  # one hidden layer: quick compiles
+  data = regression_data(jax.random.PRNGKey(1), 256, d_in=16, d_out=8)
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  opt = optax.adam(1e-3)
+  factory = lambda k: ja.make_train_step(mse_loss, opt, num_microbatches=k, mesh=mesh, strategy="fsdp")
+  ap, as_ = ja.shard_train_state(_abstract(params), opt, mesh, strategy="fsdp")
+  abatch = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, P("data"))), data
+  )
+  t2 = total_bytes(factory(2), ap, as_, abatch)
+  abstract = ja.plan_microbatches(factory, ap, as_, abatch, memory_budget_bytes=t2)
+  p, s = ja.shard_train_state(params, opt, mesh, strategy="fsdp")
+  concrete = ja.plan_microbatches(factory, p, s, ja.shard_batch(data, mesh), memory_budget_bytes=t2)
+  assert int(abstract) == int(concrete) == 2  # K = 1 needs more (else the choice means nothing)
+  assert abstract.totals == concrete.totals and list(abstract.totals) == [1, 2]
+
+
+def test_plan_a_model_no_host_could_hold():
+  """2 GiB of float64 weights, ddp: 5 copies (params, adam's two moments, the gradient and its update) per device,
+  80 GiB over 8 devices. Planned from ShapeDtypeStructs: compiled in seconds, nothing allocated."""
+  import resource
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  params = {"w": jax.ShapeDtypeStruct((4, 8192, 8192), jnp.float64)}  # 2 GiB
+  batch = tuple(jax.ShapeDtypeStruct((64, 8192), jnp.float64, sharding=rows) for _ in range(2))
+
+  def loss(params, batch):
+    x, y = batch
+    h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params["w"])
+    return jnp.mean((h - y) ** 2)
+
+  opt = optax.adam(1e-3)
+  live = sum(x.nbytes for x in jax.live_arrays())
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+  plans = {}
+  for strategy in ("ddp", "fsdp"):
+    p, s = ja.shard_train_state(params, opt, mesh, strategy=strategy)
+    plans[strategy] = ja.plan_microbatches(
+      lambda k, strategy=strategy: ja.make_train_step(loss, opt, num_microbatches=k, mesh=mesh, strategy=strategy),
+      p, s, batch, memory_budget_bytes=64 * 2**30, candidates=[1, 2],
+    )  # fmt: skip
+  full = 2 * 2**30
+  assert plans["ddp"].memory_bytes > 4 * full  # the replicated state, per device
+  assert plans["fsdp"].memory_bytes < plans["ddp"].memory_bytes / 4
+  assert sum(x.nbytes for x in jax.live_arrays()) - live < 2**20
+  assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < full // 2**10 // 4  # < 0.5 GiB grown

@@ -345,3 +345,62 @@ def test_a_whole_train_state_or_a_nonfinite_gradient_never_reaches_the_parameter
   new_p, new_s, metrics = step(p, s, batch)
   assert not bool(metrics["applied"]) and float(metrics["total_weight"]) > 0
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, (new_p, new_s)), before)
+
+
+# --------------------------------------------------------------------------- abstract state (issue 39)
+
+
+def _abstract(tree):
+  """ShapeDtypeStructs of `tree`'s leaves, keeping a sharding a leaf has."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
+def _typed(tree):
+  return jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype), x.sharding), tree)
+
+
+def _specs_of(tree):
+  """Each leaf's sharding spec, trailing Nones dropped (P() == P(None,)), None without a sharding."""
+  spec = lambda x: None if x.sharding is None else sharded._spec(sharded._entries(x.sharding.spec, len(x.shape)))
+  return jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype), spec(x)), tree)
+
+
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("strategy, axes", PLACEMENT)
+def test_shard_train_state_on_abstract_params_is_the_concrete_layout(strategy, axes, kind):
+  """ShapeDtypeStructs in: the layout out as ShapeDtypeStructs with the concrete call's shardings, nothing allocated.
+  Under jax.eval_shape the traced path runs on both mesh kinds (Explicit axes typed, Auto ones not)."""
+  mesh = data_mesh(kind) if strategy != "hsdp" else hsdp_mesh(kind)
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)  # float64; the (2,) bias divides no axis: replicated
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  concrete = sharded.shard_train_state(params, opt, mesh, strategy=strategy, data_axis=axes)
+  live = {id(x) for x in jax.live_arrays()}
+  abstract = ja.shard_train_state(_abstract(params), opt, mesh, strategy=strategy, data_axis=axes)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
+  assert all(isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh for x in jax.tree.leaves(abstract))
+  assert _typed(abstract) == _typed(concrete)
+  assert not [x for x in jax.live_arrays() if id(x) not in live]  # nothing allocated
+  # Abstract leaves carrying the concrete layout (a step's own outputs, say) give it back unchanged.
+  assert _typed(ja.shard_train_state(_abstract(concrete[0]), opt, mesh, strategy=strategy, data_axis=axes)) == (
+    _typed(concrete)
+  )
+  traced = jax.eval_shape(lambda p: ja.shard_train_state(p, opt, mesh, strategy=strategy, data_axis=axes), params)
+  if kind == AxisType.Explicit:  # in the types, on the mesh's AbstractMesh
+    assert _specs_of(traced) == _specs_of(concrete)
+    assert all(x.sharding.mesh == mesh.abstract_mesh for x in jax.tree.leaves(traced))
+  else:  # Auto axes are not in the types: eval_shape reports shapes and dtypes alone
+    unsharded = lambda t: jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype)), t)
+    assert unsharded(traced) == unsharded(concrete)
+
+
+def test_shard_train_state_on_abstract_params_keeps_a_model_axis():
+  """An abstract leaf's sharding over another mesh axis is kept, as a placed array's is."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  params[1]["w"] = jax.device_put(params[1]["w"], NamedSharding(mesh, P(None, "model")))
+  opt = optax.adam(1e-2)
+  for strategy in ("zero1", "fsdp"):
+    concrete = sharded.shard_train_state(params, opt, mesh, strategy=strategy)
+    abstract = ja.shard_train_state(_abstract(params), opt, mesh, strategy=strategy)
+    assert _typed(abstract) == _typed(concrete)
+    assert abstract[1][0].mu[1]["w"].sharding.spec == P("data", "model")

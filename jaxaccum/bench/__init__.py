@@ -6,7 +6,7 @@ compiled HLO. Multi-device sections run on 8 devices, simulated on CPU when
 the machine has fewer.
 
 One module per section (`accumulate`, `microbatch`, `flax`, `lowcomm`, `sharded`, `fsdp`,
-`noise`, `grad`, `per_example`, `model_axis`), each with
+`noise`, `grad`, `per_example`, `model_axis`, `fit`), each with
 `run(quick) -> list of {"title", "markdown", "data"}`; `common` holds the MLP, its
 data and the timing helpers they share. The JSON adds to each result its `id`
 (section/title slug) and its `tables` as structured rows; `figures` rewrites the
@@ -37,6 +37,7 @@ SECTIONS = (
   "grad",
   "per_example",
   "model_axis",
+  "fit",
 )
 
 
@@ -89,14 +90,27 @@ MEASURES = {
     "_engine.py",
     "_program.py",
     "_layerwise.py",
+    "_sums.py",
     "sharded.py",
     "parallel.py",
     "_jax_private.py",
     "hlo.py",
     "_hlo.py",
   ),
+  "fit": (
+    "sharded.py",
+    "planner.py",
+    "train_step.py",
+    "_engine.py",
+    "_program.py",
+    "_layerwise.py",
+    "_sums.py",
+    "parallel.py",
+    "hlo.py",
+    "_hlo.py",
+  ),
 }
-_BENCH_FILES = {"lowcomm": ("bench/lowcomm.py", "bench/textlm.py")}
+_BENCH_FILES = {"lowcomm": ("bench/lowcomm.py", "bench/textlm.py"), "fit": ("bench/fit.py",)}
 
 
 def measured_files(section: str) -> list[pathlib.Path]:

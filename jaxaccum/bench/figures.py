@@ -379,6 +379,7 @@ DETERMINISTIC = (
   ("sharded", "run", "full", None),
   ("fsdp", "run", "full", None),
   ("per_example", "run", "full", ("memory MiB",)),
+  ("fit", "run", "full", None),
 )
 
 
