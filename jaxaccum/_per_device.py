@@ -18,6 +18,9 @@ _MANUAL_ANNOTATION = (
   "of type: AxisType.Manual",
   "can only refer to Auto axes of the mesh",  # with_sharding_constraint (Flax logical constraints reach it too)
 )
+# An unconstrained entry (`P.UNCONSTRAINED`, or on an Explicit mesh the type of a value traced per device) where
+# every mesh axis is manual: only a bwd rule runs there unlocalised.
+_UNCONSTRAINED = "cannot contain `P.UNCONSTRAINED` when no mesh axis_types are `Auto`"
 _CLOSURE = "Closing over inputs to shard_map where the input is sharded on `Explicit` axes"
 # The same closure met by the loss's one trace (`_program`, under the mesh with size-1 data axes): a value
 # typed on the step's mesh that is not an argument.
@@ -44,6 +47,15 @@ def explain(e: Exception, axis_name, *, entry: str, instead: str) -> Exception |
       f"traced on the cotangents, inside its per-device map (a jax.shard_map manual over {name!r}), where that axis "
       f"cannot be named: drop the {name!r} entries from the annotations in the bwd rule (the rows are already "
       f"split), or {instead}"
+    )
+  if _UNCONSTRAINED in text:
+    return ValueError(
+      f"{entry}: the loss annotates a sharding as unconstrained (P.UNCONSTRAINED, or with_sharding_constraint(x, "
+      f"jax.typeof(x).sharding.spec), which is unconstrained per device) in code that JAX traces only when it "
+      f"transposes: a custom derivative's backward rule (a jax.custom_vjp's bwd). {entry} localises the "
+      f"annotations of the loss it traced, but a bwd rule is traced on the cotangents, inside its per-device map (a "
+      f"jax.shard_map manual over every axis of {name!r}), where JAX refuses an unconstrained entry: drop the "
+      f"annotation from the bwd rule, or {instead}"
     )
   axes = (name,) if isinstance(name, str) else name
   if _CLOSURE in text or (_CLOSURE_TRACED in text and any(f"@{a}" in text for a in axes)):

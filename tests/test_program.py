@@ -264,6 +264,27 @@ def test_annotations_in_a_custom_vjp_forward_rule_are_localised_and_in_its_bwd_r
     one_step(bwd, params, batch, mesh, "data", strategy=strategy)
 
 
+@jax.custom_vjp
+def _dense_bwd_unconstrained(x, w):
+  return x @ w
+
+
+_dense_bwd_unconstrained.defvjp(
+  lambda x, w: (x @ w, (x, w)),
+  lambda res, g: (jax.lax.with_sharding_constraint(g @ res[1].T, P(P.UNCONSTRAINED, None)), res[0].T @ g),
+)
+
+
+def test_an_unconstrained_annotation_in_a_custom_vjp_bwd_is_refused_by_name():
+  """Issue 38 (the nested fuzzer): a bwd rule runs per device, where every axis is manual and JAX refuses
+  P.UNCONSTRAINED (test_fuzz_nested.py shows it in a user's own shard_map); once JAX's raw "cannot contain
+  `P.UNCONSTRAINED` when no mesh axis_types are `Auto`", now a jaxaccum error naming the bwd."""
+  loss = lambda p, b: mse(jnp.tanh(_dense_bwd_unconstrained(b[0], p["w1"])) @ p["w2"], b[1])
+  params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
+  with pytest.raises(ValueError, match=r"make_train_step: the loss annotates a sharding as unconstrained .*bwd"):
+    one_step(loss, params, batch, make_mesh((8,), ("data",)), "data", strategy="fsdp")
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_custom_jvp_rule_is_traced_on_the_loss_mesh_and_localised(strategy):
   """jax.nn.relu's jvp (a custom_jvp whose rule makes `full_like(g, 0)`) is traced when JAX differentiates, on
