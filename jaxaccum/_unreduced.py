@@ -167,8 +167,12 @@ def axes_of(x) -> tuple[str, ...]:
 
 def is_unreduced(x, axis_name) -> bool:
   """True when `x` (an array, a tracer, or a `jax.eval_shape` result) is typed unreduced over every name of
-  `axis_name` (a partial sum per device)."""
-  return all(n in axes_of(x) for n in names(axis_name))
+  `axis_name` (a partial sum per device). An empty array has nothing to sum: it counts as one (see `zeros`)."""
+  return _empty(jnp.shape(x)) or all(n in axes_of(x) for n in names(axis_name))
+
+
+def _empty(shape) -> bool:
+  return any(n == 0 for n in shape)
 
 
 def zeros_like(s, dtype) -> jax.Array:
@@ -177,8 +181,12 @@ def zeros_like(s, dtype) -> jax.Array:
 
 
 def zeros(shape, dtype, mesh, axis_name) -> jax.Array:
-  """Zeros typed unreduced over `axis_name`: the start of an unreduced accumulator."""
-  spec = P(unreduced=set(names(axis_name)))
+  """Zeros typed unreduced over `axis_name`: the start of an unreduced accumulator.
+
+  An empty shape gives ordinary zeros: from JAX 0.11 a zero-size array typed unreduced cannot be created
+  or returned by a jit (Shardy: "'func.return' op has unreduced axes mismatch", plain JAX alike), and an
+  empty leaf has nothing to sum (`_window.add` leaves it as it is)."""
+  spec = P() if _empty(shape) else P(unreduced=set(names(axis_name)))
   if mesh is None:
     return jnp.zeros(shape, dtype, out_sharding=spec)
   with creating_on(mesh):
@@ -200,6 +208,8 @@ def creating_on(mesh):
 
 def scale(x, weight, axis_name):
   """`x * weight` for an unreduced `x` and a replicated scalar `weight` (cast to reduced first, as JAX asks)."""
+  if _empty(x.shape):
+    return x
   w = jnp.asarray(weight).astype(x.dtype)
   return x * jax.reshard(w, _on_mesh_of(x, P(reduced=set(names(axis_name)))))
 

@@ -118,6 +118,8 @@ def add(acc_grads, acc_weight, grads, weight, keep, new_window, scale=None):
   """
 
   def add_leaf(acc, g):
+    if acc.size == 0:  # nothing to add (and an empty unreduced accumulator is an ordinary array: _unreduced.zeros)
+      return acc
     g = g.astype(acc.dtype)
     if weight is not None:
       g = g * weight.astype(acc.dtype) if scale is None else scale(g, weight)

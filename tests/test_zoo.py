@@ -377,11 +377,6 @@ CELLS: dict[tuple[str, str], Cell] = {
   ("key_in_state", "accumulate own jit"): Cell(
     "refused", name="key in aux", match=r"aux\['rng'\] is a PRNG key: ja.grad folds the typed keys"
   ),
-  # jax 0.11/0.12 (the slow set runs on the newest): ja.accumulate's unreduced accumulator for an empty parameter.
-  ("odd_leaves", "accumulate own jit"): Cell(
-    xfail="jax >= 0.11: the empty (0, 3) parameter's unreduced accumulator fails to lower under Shardy "
-    "('func.return' op has unreduced axes mismatch for 'data'); exact on jax 0.10.2"
-  ),
   # An RNN from h0 = zeros: the constant carry meets varying parameters on a mesh.
   ("rnn_zeros_carry", "accumulate shard_map"): Cell(
     "n/a", why="in a user's own shard_map JAX requires the model to pcast a constant scan carry (before jaxaccum runs)"
