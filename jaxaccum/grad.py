@@ -438,6 +438,16 @@ def _trace(call, axis_name):
   try:
     return call()
   except Exception as e:
+    if "should match the aval mesh" in str(e):
+      # A tracer of the user's jit closed over by fun: typed on the whole mesh, it meets fun's values traced on
+      # one device's. Its type is fixed by the enclosing trace (a concrete array is retyped, see _program).
+      raise ValueError(
+        "ja.grad: the loss reads a value traced by your jit from the enclosing scope (a closure over an argument "
+        "of your jit, or over a value computed in it), typed on the whole mesh; ja.grad traces the loss on one "
+        "device's shapes and cannot retype it. Pass it to the loss as an argument instead, e.g. "
+        "ja.grad(lambda params, batch, t: loss(params, batch, t), axis_name=...)(params, batch, t): a "
+        f"replicated value reaches every device whole, one sharded over {axis_name!r} each device its part"
+      ) from e
     explained = _per_device.explain(
       e,
       axis_name,

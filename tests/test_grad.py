@@ -87,6 +87,23 @@ def test_own_jit_step_is_exact(k, sizes, weighted):
   chex.assert_trees_all_close(p, full_batch_run(inner_opt(), params, windows), rtol=RTOL, atol=0)
 
 
+def test_a_closure_over_a_tracer_of_the_users_jit_is_refused_naming_the_argument_way():
+  """A value traced by the user's jit, closed over by the loss: refused by name; passed as an argument, exact."""
+  mesh = explicit_mesh()
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  batch = windows_of([16], 1)[0][0]
+  scaled = lambda p, b, t: t * mse_loss(p, b)
+  with jax.set_mesh(mesh):
+    p, t = jax.device_put((params, jnp.float64(0.5)), NamedSharding(mesh, P()))
+    b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    closure = jax.jit(lambda p, b, t: ja.grad(lambda p, b: scaled(p, b, t), axis_name="data")(p, b))
+    with pytest.raises(ValueError, match="Pass it to the loss as an argument"):
+      closure(p, b, t)
+    got = jax.jit(lambda p, b, t: ja.grad(scaled, axis_name="data")(p, b, t))(p, b, t)
+    got = jax.tree.map(lambda g: jax.reshard(g, P()), got)
+  chex.assert_trees_all_close(got, jax.grad(scaled)(params, batch, 0.5), rtol=RTOL, atol=0)
+
+
 def test_an_empty_parameter_accumulates_in_the_own_jit_step():
   """An empty (0, 3) leaf beside the MLP: exact, on every jax. From jax 0.11 plain JAX cannot create a zero-size
   array typed unreduced (shown here), so its accumulator is an ordinary empty array with nothing to add."""
