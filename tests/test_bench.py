@@ -7,7 +7,19 @@ import sys
 
 import pytest
 
-SECTIONS = ("accumulate", "microbatch", "flax", "lowcomm", "sharded", "fsdp", "noise", "grad", "per_example", "fit")
+SECTIONS = (
+  "accumulate",
+  "microbatch",
+  "flax",
+  "lowcomm",
+  "sharded",
+  "fsdp",
+  "noise",
+  "grad",
+  "per_example",
+  "model_axis",
+  "fit",
+)
 
 
 def _numbers(tree, path=""):
