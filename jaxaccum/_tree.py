@@ -176,3 +176,39 @@ def zeros_like_sharded(x, dtype=None):
     # context (`jax.set_mesh`), which a step jitted by make_train_step on Explicit axes does not enter.
     return jnp.zeros(jnp.shape(x), dtype, out_sharding=sharding)
   return jnp.zeros(jnp.shape(x), dtype)
+
+
+def is_key(x) -> bool:
+  """A typed PRNG key array (`jax.random.key`), or its abstract value."""
+  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def fold_key(key, index):
+  """`jax.random.fold_in(key, index)` for a typed key array of any shape, or a raw key (uint32[..., 2])."""
+  if is_key(key):
+    flat = key.reshape(-1)
+    return jax.vmap(lambda k: jax.random.fold_in(k, index))(flat).reshape(key.shape)
+  raw = jnp.asarray(key)
+  if raw.dtype != jnp.uint32 or raw.ndim < 1 or raw.shape[-1] != 2:
+    raise TypeError(
+      f"key_argnum names an argument with a leaf of {raw.dtype}{list(raw.shape)}: a PRNG key is a typed key "
+      "(jax.random.key) or a raw uint32[2] key (jax.random.PRNGKey)"
+    )
+  flat = raw.reshape(-1, 2)
+  return jax.vmap(lambda k: jax.random.fold_in(k, index))(flat).reshape(raw.shape)
+
+
+def fold_keys(tree, index):
+  """Every key of `tree` folded with `index`: the tree itself if it is one key (typed or raw), else each of its
+  typed-key leaves (an `nnx.Rngs` state: its keys folded, its counts kept). Raises a TypeError naming the
+  argument when a tree of several leaves holds no typed key."""
+  leaves = jax.tree.leaves(tree)
+  if len(leaves) == 1 and tree is leaves[0]:
+    return fold_key(tree, index)
+  if not any(is_key(x) for x in leaves):
+    raise TypeError(
+      "key_argnum names an argument with no PRNG key in it (a tree of "
+      f"{[f'{jnp.result_type(x)}{list(jnp.shape(x))}' for x in leaves][:6]}): give a typed key (jax.random.key), "
+      "a raw uint32[2] key (jax.random.PRNGKey), or a tree holding typed keys (an nnx.Rngs state)"
+    )
+  return jax.tree.map(lambda x: fold_key(x, index) if is_key(x) else x, tree)

@@ -52,7 +52,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _per_device, _program, _sums, _unreduced
+from jaxaccum import _per_device, _program, _sums, _tree, _unreduced
 
 
 def _argnums_tuple(argnums) -> tuple[int, ...]:
@@ -73,25 +73,6 @@ def _spec_of(x) -> P:
 
 
 _REDUCTIONS = ("mean", "sum", "concat")
-
-
-def _is_key(x) -> bool:
-  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _fold(key, index):
-  """`jax.random.fold_in(key, index)` for a typed key array of any shape, or a raw key (uint32[..., 2])."""
-  if _is_key(key):
-    flat = key.reshape(-1)
-    return jax.vmap(lambda k: jax.random.fold_in(k, index))(flat).reshape(key.shape)
-  raw = jnp.asarray(key)
-  if raw.dtype != jnp.uint32 or raw.ndim < 1 or raw.shape[-1] != 2:
-    raise TypeError(
-      f"key_argnum names an argument with a leaf of {raw.dtype}{list(raw.shape)}: a PRNG key is a typed key "
-      "(jax.random.key) or a raw uint32[2] key (jax.random.PRNGKey)"
-    )
-  flat = raw.reshape(-1, 2)
-  return jax.vmap(lambda k: jax.random.fold_in(k, index))(flat).reshape(raw.shape)
 
 
 def _check_reductions(aux_reductions) -> None:
@@ -309,7 +290,8 @@ def _arguments(cfg: _Config, mesh, args) -> tuple[_Args, list]:
   # A typed key sharded over the axis is per-row data (each row its key) and reaches its device as it is;
   # a replicated one would give every device the same draws, so it is folded, as is all of key_argnum.
   key_leaf = [
-    o == key_argnum or (o not in nums and _is_key(x) and _replicated(x)) for o, x in zip(owners, arrays, strict=True)
+    o == key_argnum or (o not in nums and _tree.is_key(x) and _replicated(x))
+    for o, x in zip(owners, arrays, strict=True)
   ]
   specs = [P() if d else _spec_of(x) for x, d in zip(arrays, diff_leaf, strict=True)]
   rows = _local_rows(arrays, specs, axis_name)
@@ -370,7 +352,7 @@ def _rebuild(treedef, leaves, is_array, array_values):
 def _local_call(cfg: _Config, a: _Args, local_args):
   """fun's arguments on this device (keys folded with the device index), and fun of the differentiated ones."""
   index = lax.axis_index(cfg.axis_name)
-  folded = [_fold(x, index) if k else x for x, k in zip(local_args, a.key_leaf, strict=True)]
+  folded = [_tree.fold_key(x, index) if k else x for x, k in zip(local_args, a.key_leaf, strict=True)]
   full = _rebuild(a.treedef, a.leaves, a.is_array, folded)
 
   def loss_of(*d):
@@ -512,7 +494,7 @@ def _reduce_aux(x, mode, path, part, axis_name):
     return x
   if mode == "sum":
     return lax.psum(x, axis_name)
-  if _is_key(x):
+  if _tree.is_key(x):
     raise TypeError(
       f"aux{path} is a PRNG key: ja.grad folds the typed keys of its arguments with each device's index (each "
       "device draws its own), so a key returned in aux differs per device and has no mean over them: advance "

@@ -278,7 +278,10 @@ def microbatch(
       It is vectorised over the K microbatches with `jax.vmap`. Default: every
       microbatch weighs 1.
     key_argnum: a positional PRNG-key argument; microbatch i receives
-      `jax.random.fold_in(key, i)` (also when K = 1).
+      `jax.random.fold_in(key, i)` (also when K = 1). A tree of keys (an
+      `nnx.Rngs` state from `nnx.split`) has each of its typed keys folded so,
+      its other leaves (the counts) kept. A key in any other argument is the
+      same for every microbatch, as a key in make_train_step's model state.
     axis_name: inside `jax.shard_map`/`jax.pmap`, the data axis: after the loop
       one all-reduce of (sum_i w_i o_i, sum_i w_i) gives the weighted mean over
       all microbatches of all devices. Under shard_map, gradients must vary
@@ -366,7 +369,7 @@ def microbatch(
       for n, b in zip(names, mbs[len(idx) :], strict=True):
         call_kwargs[n] = b
       if kidx is not None:
-        call_args[kidx] = jax.random.fold_in(args[kidx], i)
+        call_args[kidx] = _tree.fold_keys(args[kidx], i)
       # Python scalars (a float returned as a metric) become arrays, as jit would make them.
       return jax.tree.map(jnp.asarray, fun(*call_args, **call_kwargs))
 

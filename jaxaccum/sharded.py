@@ -106,7 +106,11 @@ def _make_plan(strategy, mesh, data_axis) -> _Plan:
     axes = (data_axis,)
   for a in axes:
     if a not in mesh.axis_names:
-      raise ValueError(f"{data_axis=} names {a!r}, which is not an axis of the mesh (its axes: {mesh.axis_names})")
+      raise ValueError(
+        f"{data_axis=} names {a!r}, which is not an axis of the mesh (its axes: {mesh.axis_names}): pass the mesh's "
+        f"data axis as data_axis=... to make_train_step, shard_train_state and shard_batch alike"
+        + (f" (here data_axis={mesh.axis_names[0]!r})" if len(mesh.axis_names) == 1 else "")
+      )
   if strategy == "ddp":
     return _Plan(strategy, axes, None, None, False)
   if strategy == "zero1":

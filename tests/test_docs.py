@@ -201,10 +201,11 @@ metrics_of = lambda logits, labels: {"accuracy": jnp.mean(jnp.argmax(logits, -1)
     + "batch = {'image': batch['x'], 'label': batch['y']}",
     2: "params = jnp.ones((4,))\nbatch = dict(_batch(jax.random.key(0), 64))\nbatch['y'] = batch['y'][:, 0]\n"
     + "x_tm, y = batch['x'].T, batch['y']",  # a linear model on a vector of 4 weights
-    3: "loss_fn = world_loss\nparams = {'w': 0.1 * jnp.ones((4, 3)), 'b': jnp.zeros((3,))}\n"
+    # 3: the nnx block is self-contained
+    4: "loss_fn = world_loss\nparams = {'w': 0.1 * jnp.ones((4, 3)), 'b': jnp.zeros((3,))}\n"
     + "batch = _batch(jax.random.key(0), 64)",
-    4: _EXPLICIT + "tx = optax.adam(1e-3)",
-    5: "batch = _batch(jax.random.key(0), 64)",  # on no mesh again
+    5: _EXPLICIT + "tx = optax.adam(1e-3)",
+    6: "batch = _batch(jax.random.key(0), 64)",  # on no mesh again
   },
   "docs/guides/noise.md": {0: "grads = jax.grad(loss_fn)(params, batch)\nnum_examples = batch['mask'].sum()"},
   "docs/guides/own-jit.md": {0: _EXPLICIT, 1: "optimizer = optax.adam(1e-3)"},

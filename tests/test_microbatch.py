@@ -87,6 +87,35 @@ def test_several_batch_args_and_key(problem):
   np.testing.assert_allclose(out, expected, rtol=RTOL)
 
 
+def test_an_nnx_rngs_state_as_key_argnum_gives_each_microbatch_its_own_draws():
+  """The nnx tutorial's dropout through ja.microbatch: the Rngs state from nnx.split named by key_argnum has its
+  keys folded with the microbatch index (its count kept), as a single key is; left unnamed, every microbatch
+  would draw the same masks (the mean then differs, so this test can fail)."""
+  from flax import nnx
+
+  graph, state = nnx.split(nnx.Rngs(dropout=3))
+  state = nnx.as_pure(state)  # plain arrays: merged into fresh Variables inside each trace
+  x = jnp.arange(32.0).reshape(8, 4) / 7.0
+  k = 4
+
+  def fun(w, rng_state, xs):
+    mask = jax.random.bernoulli(nnx.merge(graph, rng_state).dropout(), 0.5, xs.shape)
+    return jnp.sum(mask * xs * w)
+
+  got = ja.microbatch(jax.grad(fun), k, batch_argnums=2, key_argnum=1)(1.5, state, x)
+  folded = lambda i: jax.tree.map(lambda a: jax.random.fold_in(a, i) if ja_is_key(a) else a, state)
+  want = np.mean([jax.grad(fun)(1.5, folded(i), x[i::k]) for i in range(k)])
+  np.testing.assert_allclose(got, want, rtol=RTOL)
+  same = ja.microbatch(jax.grad(fun), k, batch_argnums=2)(1.5, state, x)
+  assert abs(float(same) - float(want)) > 1e-3
+  with pytest.raises(TypeError, match="key_argnum names an argument with no PRNG key"):
+    ja.microbatch(jax.grad(fun), k, batch_argnums=2, key_argnum=0)({"a": 1.0, "b": 2.0}, state, x)
+
+
+def ja_is_key(a) -> bool:
+  return jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+
+
 def test_dtypes():
   """bf16 outputs come back bf16 but are summed in float32 (a bf16 sum of 64 terms would drift)."""
   x = jnp.arange(1, 257, dtype=jnp.float32) / 7.0
