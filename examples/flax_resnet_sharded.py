@@ -7,10 +7,14 @@ Where it comes from. google/flax `examples/imagenet/train.py` (`train_step`,
 `sync_batch_stats`) and `examples/imagenet/models.py` (`ResNet`,
 `ResNetBlock`, `_ResNet1`), Apache-2.0, re-written here in this project's
 style. The original trains under `jax.pmap(train_step, axis_name="batch")`:
-parameters replicated, each device normalises its own rows (BatchNorm without
-an axis name), the gradient and the metrics are `lax.pmean`ed, each device
-keeps its own running statistics and `sync_batch_stats` averages them before
-evaluation and checkpoints. The loss adds an L2 penalty on every parameter
+parameters replicated, the gradient and the metrics are `lax.pmean`ed, and
+`sync_batch_stats` averages the devices' running statistics before evaluation
+and checkpoints. Its BatchNorm is synchronized (`axis_name="batch"`, a `pmean`
+of the statistics over the devices); this port leaves the axis name out, so
+each device normalises its own rows. Keeping it works too: build the step with
+`data_axis="batch"` on a mesh whose axis is "batch", and microbatch i is then
+normalised over every device's rows of that microbatch (the train-step guide,
+"Collectives in the loss"; the zoo's `sync_bn` row). The loss adds an L2 penalty on every parameter
 with ndim > 1, and the optimizer is nesterov SGD with a warmup + cosine
 learning rate.
 
@@ -38,8 +42,8 @@ over P K groups of rows: pmap's semantics with one "device" per microbatch
 `sync_batch_stats`) and metrics: it does, to ~1e-16 in float64.
 
 What is not exact, and why: BatchNorm normalises with the statistics of the
-rows it sees. On 8 devices x K microbatches each BatchNorm sees B / (8 K) rows
-("ghost batch norm"), as the original sees B / P per device; the same step on
+rows it sees. On 8 devices x K microbatches each BatchNorm here sees B / (8 K)
+rows ("ghost batch norm"; B / K with the original's synchronized BatchNorm); the same step on
 the whole batch as one group gives another loss, gradient and statistics (the
 running mean of the first BatchNorm is that of the full batch only at the
 first step; the running variance is smaller by the variance of the group
