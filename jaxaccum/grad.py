@@ -420,7 +420,14 @@ def _trace(call, axis_name):
   try:
     return call()
   except Exception as e:
-    if "should match the aval mesh" in str(e):
+    explained = _per_device.explain(
+      e,
+      axis_name,
+      entry="ja.grad",
+      instead="keep the annotated code and take jax.grad in your jit with ja.accumulate(...) without axis_name "
+      "(one all-reduce per call), or ja.microbatch(jax.value_and_grad(loss), K) inside your jit",
+    )
+    if explained is None and "should match the aval mesh" in str(e):
       # A tracer of the user's jit closed over by fun: typed on the whole mesh, it meets fun's values traced on
       # one device's. Its type is fixed by the enclosing trace (a concrete array is retyped, see _program).
       raise ValueError(
@@ -430,13 +437,6 @@ def _trace(call, axis_name):
         "ja.grad(lambda params, batch, t: loss(params, batch, t), axis_name=...)(params, batch, t): a "
         f"replicated value reaches every device whole, one sharded over {axis_name!r} each device its part"
       ) from e
-    explained = _per_device.explain(
-      e,
-      axis_name,
-      entry="ja.grad",
-      instead="keep the annotated code and take jax.grad in your jit with ja.accumulate(...) without axis_name "
-      "(one all-reduce per call), or ja.microbatch(jax.value_and_grad(loss), K) inside your jit",
-    )
     if explained is None:
       e.add_note(
         f"(raised inside ja.grad, which runs fun on each device's rows in a jax.shard_map manual over "
