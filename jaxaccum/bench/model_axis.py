@@ -19,6 +19,7 @@ examples are beside the package.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import pathlib
 import sys
@@ -376,4 +377,9 @@ def run(quick: bool = False) -> list[dict]:
     )
   worst = max(max(r["model_count_ratio"], r["model_bytes_ratio"]) for r in rows)
   lines += ["", f"Worst model-axis ratio over every strategy, gather mode and K: {worst:.2f} (target <= 1.00)."]
-  return [{"title": "Beyond the data axis", "markdown": "\n".join(lines), "data": {"rows": rows, "worst": worst}}]
+  results = [{"title": "Beyond the data axis", "markdown": "\n".join(lines), "data": {"rows": rows, "worst": worst}}]
+  # The compile-time column's measurement (its own table, with its spread), where the checkout has it.
+  if importlib.util.find_spec("jaxaccum.bench.compile_time") is not None:
+    compile_time = importlib.import_module("jaxaccum.bench.compile_time")
+    results.append(compile_time.table(quick))
+  return results
