@@ -243,7 +243,7 @@ def minigpt_model(dtype=jnp.float32):
   vocab, maxlen = 64, 8
   with jax.set_mesh(mesh):  # Flax shards an annotated variable as it creates it (eager sharding)
     model = minigpt_modules()(maxlen, vocab, 32, 4, 64, 2, rngs=nnx.Rngs(0))
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
   specs = nnx.as_pure(nnx.get_partition_spec(params))
   params = jax.tree.map(lambda x: np.asarray(x, dtype), nnx.as_pure(params))
 
