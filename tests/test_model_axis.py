@@ -112,7 +112,12 @@ def test_model_axis_no_more_than_plain(model, k, step, request):
 @pytest.mark.parametrize(("model", "k", "step"), smoke(CELLS, keep={("llama", 1, "ddp")}))
 def test_no_model_sharded_leaf_gathered_whole(model, k, step):
   _, _, params, _, mesh = _model(model)
-  assert not _whole_model_leaf_gathers(_steps(model, k)[step], mesh, params)
+  found = _whole_model_leaf_gathers(_steps(model, k)[step], mesh, params)
+  # None where the plain step has none (the Llama-style model, the MaxText port). The miniGPT tutorial's own
+  # annotations make the plain step gather some (linear2's kernel, (None, "model"), and its gradient: three
+  # f32[64,32] all-gathers at K=1), and its activations share leaf shapes ([4,8,32], the attention output's
+  # kernel): there, no more than the plain step.
+  assert len(found) <= len(_whole_model_leaf_gathers(_steps(model, k)["plain"], mesh, params)), found
 
 
 @pytest.mark.parametrize(("model", "k"), smoke([(m, k) for m in MODELS for k in (1, 4)], keep={("llama", 1)}))
