@@ -521,13 +521,43 @@ def _cast(x, dtype):
 # --------------------------------------------------------------------------- the update
 
 
+def _finite(grads, layouts, mesh) -> jax.Array:
+  """A scalar bool: True when no gradient holds a NaN or an Inf, from ONE 4-byte all-reduce.
+
+  Each device counts the non-finite entries of its own blocks (a `jax.shard_map` manual over every mesh axis,
+  each gradient with the layout the map gave it) and one float32 sum crosses the axes some gradient is split
+  over. Left to the partitioner, every leaf a mesh axis splits (a "model"-sharded weight, a zero1/fsdp block)
+  had its own reduction (one combined all-reduce of a pred per leaf). With no layout known (an outer jit's
+  UNCONSTRAINED), the partitioner's check.
+  """
+  leaves = jax.tree.leaves(grads)
+  specs = [lay.opt_spec for lay in jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)]
+  if not leaves or any(e is PartitionSpec.UNCONSTRAINED for s in specs for e in s):
+    return _tree.all_finite(grads)
+  split = tuple(n for n in mesh.axis_names if any(n in sharded._names(e) for s in specs for e in s))
+
+  def count(*xs):
+    local = sum((jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in xs), jnp.zeros((), jnp.float32))
+    return lax.psum(local, split) if split else local
+
+  bad = jax.shard_map(
+    count,
+    mesh=mesh,
+    in_specs=tuple(specs),
+    out_specs=PartitionSpec(),
+    axis_names=set(mesh.axis_names),
+    check_vma=False,
+  )(*leaves)
+  return bad == 0
+
+
 def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
   """The optimizer on the global arrays, laid out per the plan; nothing moves unless the step applies."""
   mesh = cfg.mesh
   total = out.pop("total_weight")
   grads = jax.tree.map(lambda g, p: g.astype(_tree.dtype_of(p)), grads, params)  # as plain optax would see them
   # NaN (an invalid weight) compares False too; a non-finite mean gradient never reaches the parameters.
-  applied = (total > 0) & _tree.all_finite(grads)
+  applied = (total > 0) & (_tree.all_finite(grads) if layouts is None else _finite(grads, layouts, mesh))
   to_piece, specs = (lambda tree: tree), None
   if layouts is not None:
     to_piece = lambda tree: jax.tree.map(lambda x, lay: sharded._place(x, mesh, lay.opt_spec), tree, layouts)

@@ -204,20 +204,46 @@ def _dependence(tree):
   for x in jax.tree.leaves(tree):
     if not _traced(x) or x.size == 0 or not jnp.issubdtype(x.dtype, jnp.floating) or _typed_sharded(x):
       continue
+    if _free_auto():
+      return _Barrier(x)
     s = lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(())
     return -(jnp.abs(jnp.where(jnp.isfinite(s), s, jnp.zeros((), s.dtype))) * jnp.zeros((), s.dtype))
   return None
 
 
+class _Barrier(NamedTuple):
+  """A dependence on `x` itself (`_tie` passes the shard through one `lax.optimization_barrier` with it)."""
+
+  x: Any
+
+
+def _free_auto() -> bool:
+  """Whether the context mesh has a free Auto axis of size > 1 (e.g. "model"): there one element of a value may
+  live on another device, and slicing it out costs an all-reduce per gather (the partitioner's masked fetch:
+  19 [1,1,1]-sized ones over "model" per step for the MaxText port); a barrier moves nothing."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return False
+  return any(t == AxisType.Auto and n > 1 for t, n in zip(mesh.axis_types, mesh.axis_sizes, strict=True))
+
+
 def _typed_sharded(x) -> bool:
   """Whether `x`'s type is sharded over an Explicit mesh axis (one element of it is not local: skip it)."""
-  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-  return spec is not None and any(e is not None for e in spec)
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is not None and any(e is not None for e in spec):
+    return True
+  # Typed on a mesh other than the context's (an Auto region of an Explicit mesh: `jax.sharding.auto_axes`, which
+  # an embedding lookup with `out_sharding=` enters): JAX refuses to slice it here; skip it too.
+  mesh = getattr(sharding, "mesh", None)
+  return mesh is not None and not mesh.empty and mesh != jax.sharding.get_abstract_mesh()
 
 
 def _tie(shard, z):
-  if z is None or not (_vma(z) <= _vma(shard)):
+  if z is None or not (_vma(z.x if isinstance(z, _Barrier) else z) <= _vma(shard)):
     return shard
+  if isinstance(z, _Barrier):
+    return lax.optimization_barrier((shard, z.x))[0]
   return shard + z.astype(shard.dtype)
 
 

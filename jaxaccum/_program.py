@@ -347,8 +347,17 @@ class _Localiser:
           f"the loss names a mesh with axes {key.axis_names}, but it runs on the step's mesh with axes "
           f"{self.inside.axis_names}: annotate with the step's mesh (or its axis names)"
         )
-      manual = {n: AxisType.Manual for n, t in zip(key.axis_names, key.axis_types, strict=True) if t == AxisType.Manual}
-      got = self.meshes[key] = self.inside.update_axis_types(manual) if manual else self.inside
+      # Its manual axes kept, and its other non-data axes typed as it types them: inside `jax.sharding.auto_axes`
+      # (which `table.at[tokens].get(out_sharding=...)` enters on an Explicit mesh) "model" is Auto, and the
+      # reshards to P() there leave the layout to the partitioner, as in the user's own jit. Typed Explicit as
+      # the map's mesh is, they would be real reshards: the whole table all-gathered over "model".
+      inside = dict(zip(self.inside.axis_names, self.inside.axis_types, strict=True))
+      types = {
+        n: t
+        for n, t in zip(key.axis_names, key.axis_types, strict=True)
+        if t == AxisType.Manual or (n not in self.data and t != inside[n])
+      }
+      got = self.meshes[key] = self.inside.update_axis_types(types) if types else self.inside
     return got
 
   def spec(self, s: PartitionSpec, mesh=None) -> PartitionSpec:

@@ -110,7 +110,11 @@ MEASURES = {
     "_hlo.py",
   ),
 }
-_BENCH_FILES = {"lowcomm": ("bench/lowcomm.py", "bench/textlm.py"), "fit": ("bench/fit.py",)}
+_BENCH_FILES = {
+  "lowcomm": ("bench/lowcomm.py", "bench/textlm.py"),
+  "fit": ("bench/fit.py",),
+  "model_axis": ("bench/model_axis.py", "bench/compile_time.py"),
+}
 
 
 def measured_files(section: str) -> list[pathlib.Path]:

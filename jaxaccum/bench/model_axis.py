@@ -10,12 +10,16 @@ is left for its measurement (not taken here).
 
 Models: a Llama-style decoder written the way explicit-sharding codebases write it (`out_sharding=` einsums,
 `jax.sharding.reshard`, a logical-rules table; batch on "data", heads, ffw and vocab on "model") on an Explicit
-mesh; the repository's MaxText layer port (`examples/port_maxtext_layer.py`: Flax linen, logical partitioning
-and constraints) on an Auto mesh, when the examples are beside the package.
+mesh; the miniGPT of JAX's "Train a miniGPT language model" tutorial (Flax nnx, `nnx.MultiHeadAttention`,
+parameters annotated `nnx.with_partitioning(init, (None, "model"))` as the tutorial does for tensor
+parallelism, the loss through `nnx.split` / `nnx.merge`) on an Auto mesh; the repository's MaxText layer port
+(`examples/port_maxtext_layer.py`: Flax linen, logical partitioning and constraints) on an Auto mesh, when the
+examples are beside the package.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import pathlib
 import sys
@@ -157,6 +161,109 @@ def maxtext_model(dtype=jnp.float32):
   return "MaxText layer port, Flax logical rules (Auto mesh)", mt.make_loss(model), placed, mt.make_batches(0)[0], mesh
 
 
+# --------------------------------------------------------------------------- JAX's miniGPT tutorial model (Flax nnx)
+
+
+def minigpt_modules():
+  """The classes of JAX's "Train a miniGPT language model" tutorial (Flax nnx), tensor-parallel as it annotates
+  them: every kernel `nnx.with_partitioning(init, (None, "model"))`, its bias and the LayerNorms' scale and bias
+  `("model",)`; the embeddings unannotated. Dropout kept and turned off (`training=False`). Imported lazily: Flax
+  is an optional dependency."""
+  from flax import nnx  # noqa: PLC0415
+
+  def part(init, names):
+    return nnx.with_partitioning(init, names)
+
+  kernel = lambda: part(nnx.initializers.xavier_uniform(), (None, "model"))
+  zeros = lambda: part(nnx.initializers.zeros_init(), ("model",))
+  ones = lambda: part(nnx.initializers.ones_init(), ("model",))
+
+  def causal_attention_mask(seq_len):
+    return jnp.tril(jnp.ones((seq_len, seq_len)))
+
+  class TransformerBlock(nnx.Module):
+    def __init__(self, embed_dim, num_heads, ff_dim, *, rngs, rate=0.1):
+      self.mha = nnx.MultiHeadAttention(
+        num_heads=num_heads, in_features=embed_dim, kernel_init=kernel(), bias_init=zeros(), rngs=rngs
+      )
+      self.dropout1 = nnx.Dropout(rate=rate)
+      self.layer_norm1 = nnx.LayerNorm(
+        epsilon=1e-6, num_features=embed_dim, scale_init=ones(), bias_init=zeros(), rngs=rngs
+      )
+      self.linear1 = nnx.Linear(embed_dim, ff_dim, kernel_init=kernel(), bias_init=zeros(), rngs=rngs)
+      self.linear2 = nnx.Linear(ff_dim, embed_dim, kernel_init=kernel(), bias_init=zeros(), rngs=rngs)
+      self.dropout2 = nnx.Dropout(rate=rate)
+      self.layer_norm2 = nnx.LayerNorm(
+        epsilon=1e-6, num_features=embed_dim, scale_init=ones(), bias_init=zeros(), rngs=rngs
+      )
+
+    def __call__(self, inputs, training: bool = False):
+      _, seq_len, _ = inputs.shape
+      attention_output = self.mha(inputs_q=inputs, mask=causal_attention_mask(seq_len), decode=False)
+      attention_output = self.dropout1(attention_output, deterministic=not training)
+      out1 = self.layer_norm1(inputs + attention_output)
+      ffn_output = self.linear2(nnx.relu(self.linear1(out1)))
+      ffn_output = self.dropout2(ffn_output, deterministic=not training)
+      return self.layer_norm2(out1 + ffn_output)
+
+  class TokenAndPositionEmbedding(nnx.Module):
+    def __init__(self, maxlen, vocab_size, embed_dim, *, rngs):
+      self.token_emb = nnx.Embed(num_embeddings=vocab_size, features=embed_dim, rngs=rngs)
+      self.pos_emb = nnx.Embed(num_embeddings=maxlen, features=embed_dim, rngs=rngs)
+
+    def __call__(self, x):
+      positions = jnp.arange(0, x.shape[1])[None, :]
+      return self.token_emb(x) + self.pos_emb(positions)
+
+  class MiniGPT(nnx.Module):
+    def __init__(self, maxlen, vocab_size, embed_dim, num_heads, feed_forward_dim, num_transformer_blocks, rngs):
+      self.embedding_layer = TokenAndPositionEmbedding(maxlen, vocab_size, embed_dim, rngs=rngs)
+      self.transformer_blocks = nnx.List(
+        [TransformerBlock(embed_dim, num_heads, feed_forward_dim, rngs=rngs) for _ in range(num_transformer_blocks)]
+      )
+      self.output_layer = nnx.Linear(embed_dim, vocab_size, kernel_init=kernel(), bias_init=zeros(), rngs=rngs)
+
+    def __call__(self, inputs, training: bool = False):
+      x = self.embedding_layer(inputs)
+      for block in self.transformer_blocks:
+        x = block(x, training=training)
+      return self.output_layer(x)
+
+  return MiniGPT
+
+
+def minigpt_model(dtype=jnp.float32):
+  """The tutorial's miniGPT, tiny, on an Auto (4, 2) ("data", "model") mesh, its loss a pure function of the
+  parameters through `nnx.split` / `nnx.merge` (docs/guides/flax.md); None without Flax."""
+  try:
+    from flax import nnx  # noqa: PLC0415
+  except ImportError:
+    return None
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  vocab, maxlen = 64, 8
+  with jax.set_mesh(mesh):  # Flax shards an annotated variable as it creates it (eager sharding)
+    model = minigpt_modules()(maxlen, vocab, 32, 4, 64, 2, rngs=nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+  specs = nnx.as_pure(nnx.get_partition_spec(params))
+  params = jax.tree.map(lambda x: np.asarray(x, dtype), nnx.as_pure(params))
+
+  def loss_fn(params, batch):
+    m = nnx.merge(graphdef, params, rest, copy=True)
+    logits = m(batch["inputs"], training=False)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+  with jax.set_mesh(mesh):
+    placed = jax.device_put(params, shardings)
+  return (
+    "miniGPT tutorial, Flax nnx with_partitioning (Auto mesh)",
+    loss_fn,
+    placed,
+    token_batch(1, 16, maxlen, vocab),
+    mesh,
+  )
+
+
 # --------------------------------------------------------------------------- the plain step and the measurement
 
 
@@ -195,18 +302,22 @@ def by_axis(compiled, mesh, axis) -> tuple[int, float]:
   return int(n), float(b)
 
 
-def compiled_steps(loss_fn, params, batch, mesh, k, opt=None):
-  """{name: compiled step}: "plain" and each strategy (`STRATEGIES`), K microbatches per device."""
+def compiled_steps(loss_fn, params, batch, mesh, k, opt=None, names=None):
+  """{name: compiled step}: "plain" and each strategy (`STRATEGIES`; only those in `names` if given), K
+  microbatches per device."""
   opt = optax.adam(1e-2) if opt is None else opt
   out = {}
   with jax.set_mesh(mesh):
     opt_state = opt.init(params)
     rows = jax.device_put(batch, NamedSharding(mesh, P("data")))
-    out["plain"] = plain_step(loss_fn, opt, k, params, opt_state).lower(params, opt_state, rows).compile()
+    if names is None or "plain" in names:
+      out["plain"] = plain_step(loss_fn, opt, k, params, opt_state).lower(params, opt_state, rows).compile()
     for strategy, gather in STRATEGIES:
+      name = strategy if gather is None else f"{strategy} {gather}"
+      if names is not None and name not in names:
+        continue
       p, s = ja.shard_train_state(params, opt, mesh, strategy=strategy)
       step = ja.make_train_step(loss_fn, opt, num_microbatches=k, mesh=mesh, strategy=strategy, fsdp_gather=gather)
-      name = strategy if gather is None else f"{strategy} {gather}"
       out[name] = step.lower(p, s, ja.shard_batch(batch, mesh)).compile()
   return out
 
@@ -244,8 +355,8 @@ def measure(model, ks) -> list[dict]:
 def run(quick: bool = False) -> list[dict]:
   ks = (1, 4)
   models = [llama_model()]
-  if not quick and (mt := maxtext_model()) is not None:
-    models.append(mt)
+  if not quick:
+    models += [m for m in (minigpt_model(), maxtext_model()) if m is not None]
   rows = [r for m in models for r in measure(m, ks)]
   lines = [
     "Per update on a (data=4, model=2) mesh of 8 devices, K microbatches per device, adam. Collectives over the "
@@ -266,4 +377,9 @@ def run(quick: bool = False) -> list[dict]:
     )
   worst = max(max(r["model_count_ratio"], r["model_bytes_ratio"]) for r in rows)
   lines += ["", f"Worst model-axis ratio over every strategy, gather mode and K: {worst:.2f} (target <= 1.00)."]
-  return [{"title": "Beyond the data axis", "markdown": "\n".join(lines), "data": {"rows": rows, "worst": worst}}]
+  results = [{"title": "Beyond the data axis", "markdown": "\n".join(lines), "data": {"rows": rows, "worst": worst}}]
+  # The compile-time column's measurement (its own table, with its spread), where the checkout has it.
+  if importlib.util.find_spec("jaxaccum.bench.compile_time") is not None:
+    compile_time = importlib.import_module("jaxaccum.bench.compile_time")
+    results.append(compile_time.table(quick))
+  return results
