@@ -110,7 +110,12 @@ MEASURES = {
     "_hlo.py",
   ),
 }
-_BENCH_FILES = {"lowcomm": ("bench/lowcomm.py", "bench/textlm.py"), "fit": ("bench/fit.py",)}
+_BENCH_FILES = {
+  "lowcomm": ("bench/lowcomm.py", "bench/textlm.py"),
+  "fit": ("bench/fit.py",),
+  # model_axis includes the compile-time table (`compile_time.table`).
+  "model_axis": ("bench/model_axis.py", "bench/compile_time.py"),
+}
 
 
 def measured_files(section: str) -> list[pathlib.Path]:
