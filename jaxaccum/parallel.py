@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxaccum import _tree
@@ -86,31 +87,46 @@ def cond(pred, true_fun, false_fun, operands):
   Varying axes: inside `jax.shard_map` (check_vma=True) an all-reduced value is
   invariant while a local one is varying; each output leaf is cast to varying
   over the union of the two branches' axes. Both are found by tracing the
-  branches with `jax.eval_shape` (trace time only; nothing extra is compiled).
+  branches once each with `jax.make_jaxpr`; the conditional's branches then
+  evaluate those jaxprs (`jax.core.eval_jaxpr`, every equation bound as JAX
+  binds it) instead of running the Python functions a second time: an
+  optimizer's update, or a microbatch's whole gradient, is traced once.
   Only numeric dtypes are promoted: a typed PRNG key (`optax.noisy_sgd`'s and
   `optax.add_noise`'s state) has no promotion and passes as it is.
   """
-  true_out = jax.eval_shape(true_fun, operands)
-  false_out = jax.eval_shape(false_fun, operands)
-  dtypes = jax.tree.map(lambda a, b: _join_dtypes(a.dtype, b.dtype), true_out, false_out)
+  traced = [_trace_branch(fun, operands) for fun in (true_fun, false_fun)]
+  (_, true_out, true_tree), (_, false_out, false_tree) = traced
+  if true_tree != false_tree:  # lax.cond's own message, from the original functions
+    return lax.cond(pred, true_fun, false_fun, operands)
+  dtypes = [_join_dtypes(a.dtype, b.dtype) for a, b in zip(true_out, false_out, strict=True)]
   manual = bool(_manual_axes())
-  axes = jax.tree.map(
-    lambda a, b: (_varying_axes(a) or frozenset()) | (_varying_axes(b) or frozenset()), true_out, false_out
-  )
+  axes = [
+    (_varying_axes(a) or frozenset()) | (_varying_axes(b) or frozenset())
+    for a, b in zip(true_out, false_out, strict=True)
+  ]
 
-  def widen(fun):
+  def widen(closed, avals):
+    def cast(x, aval, dtype, axes):
+      if not isinstance(x, (jax.Array, jax.core.Tracer)):  # a constant output comes back as its literal
+        x = jnp.asarray(x, aval.dtype)
+      if x.dtype != dtype:
+        x = x.astype(dtype)
+      missing = tuple(sorted(axes - (_varying_axes(x) or frozenset()))) if manual else ()
+      return lax.pcast(x, missing, to="varying") if missing else x
+
     def wrapped(ops):
-      def cast(x, dtype, axes):
-        if x.dtype != dtype:
-          x = x.astype(dtype)
-        missing = tuple(sorted(axes - (_varying_axes(x) or frozenset()))) if manual else ()
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-      return jax.tree.map(cast, fun(ops), dtypes, axes)
+      outs = jex_core.jaxpr_as_fun(closed)(*jax.tree.leaves(ops))
+      return jax.tree.unflatten(true_tree, list(map(cast, outs, avals, dtypes, axes)))
 
     return wrapped
 
-  return lax.cond(pred, widen(true_fun), widen(false_fun), operands)
+  return lax.cond(pred, widen(traced[0][0], true_out), widen(traced[1][0], false_out), operands)
+
+
+def _trace_branch(fun, operands):
+  """`fun` traced once on `operands`' types: (closed jaxpr, output avals, output tree)."""
+  closed, shape = jax.make_jaxpr(fun, return_shape=True)(operands)
+  return closed, list(closed.out_avals), jax.tree.structure(shape)
 
 
 def vma_tracking(axis_name) -> bool:

@@ -610,14 +610,10 @@ def _packed_reduce_scatter(xs, leaves, axis, size, wire, *, free: bool, kinds=No
         scatter, mesh=mesh, axis_names=names, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=check
       )
     mine = scatter(jnp.concatenate(rows, axis=1))
-    offset = 0
-    for (j, _), row in zip(group, rows, strict=True):
+    for (j, _), piece in zip(group, _pieces(mine, 0, [row.shape[1] for row in rows]), strict=True):
       x, dim = xs[j], leaves[j].dim
-      block = x.shape[dim] // size
-      n = row.shape[1]
-      piece = mine[offset : offset + n].reshape((block,) + tuple(np.delete(x.shape, dim)))
+      piece = piece.reshape((x.shape[dim] // size,) + tuple(np.delete(x.shape, dim)))
       out[j] = jnp.moveaxis(piece, 0, dim).astype(x.dtype)
-      offset += n
   return out
 
 
@@ -634,11 +630,30 @@ def _packed_all_gather(xs, leaves, axis, size, to, kinds=None):
   for group in _groups(range(len(xs)), key=lambda j: (xs[j].dtype, None if kinds is None else kinds[j])):
     flats = [jnp.moveaxis(xs[j], leaves[j].dim, 0).reshape(-1) for j in group]
     full = lax.all_gather(jnp.concatenate(flats), axis, axis=0, tiled=False, to=to)
-    offset = 0
-    for j, flat in zip(group, flats, strict=True):
+    for j, piece in zip(group, _pieces(full, 1, [flat.size for flat in flats]), strict=True):
       x, dim = xs[j], leaves[j].dim
-      rest = tuple(np.delete(x.shape, dim))
-      piece = full[:, offset : offset + flat.size].reshape((size * x.shape[dim],) + rest)
+      piece = piece.reshape((size * x.shape[dim],) + tuple(np.delete(x.shape, dim)))
       out[j] = jnp.moveaxis(piece, 0, dim)
-      offset += flat.size
   return out
+
+
+def _pieces(buf, axis: int, sizes: list[int]) -> list:
+  """`buf` cut along `axis` into consecutive pieces of `sizes` (a packed collective's buffer, leaf by leaf).
+
+  On CPU each piece is a `dynamic_slice` at an offset XLA cannot fold (the
+  offsets pass through one `optimization_barrier`): the kernels that read a
+  piece (the slice, fused into its consumer) are then the same code for every
+  leaf of the same shape, and XLA:CPU compiles each distinct kernel once. With
+  static slices every piece's kernel differs by its offset, and compiling one
+  kernel per leaf made fsdp "once" compile 1.4-1.8x the plain step on a
+  32-layer transformer (194 leaves, twice: the gather and the scatter).
+  Elsewhere (GPU, TPU), and for a buffer past int32 offsets, static slices.
+  """
+  starts = [int(s) for s in np.cumsum([0, *sizes])[:-1]]
+  if len(sizes) < 2 or jax.default_backend() != "cpu" or buf.shape[axis] > np.iinfo(np.int32).max:
+    return [lax.slice_in_dim(buf, s, s + n, axis=axis) for s, n in zip(starts, sizes, strict=True)]
+  offsets = lax.optimization_barrier(tuple(jnp.asarray(s, jnp.int32) for s in starts))
+  vma = tuple(sorted(parallel._varying_axes(buf) or ()))
+  if vma:  # typed (the zero1 gather's map): the offsets vary as the buffer does
+    offsets = tuple(lax.pcast(o, vma, to="varying") for o in offsets)
+  return [lax.dynamic_slice_in_dim(buf, o, n, axis=axis) for o, n in zip(offsets, sizes, strict=True)]

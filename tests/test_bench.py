@@ -167,3 +167,38 @@ def test_fit_section_quick_plans_the_smallest_k_that_fits():
   for r in rows:
     assert r["peak_bytes"] > 0 and r["floor_bytes"] > 0 and r["axis_bytes"]["data"] > 0
   assert result["markdown"].count("|") > 4
+
+
+@pytest.mark.slow  # the quick table: ten compiles of a 2-layer transformer, twice (a minute)
+def test_compile_time_table_quick():
+  from jaxaccum.bench import compile_time
+
+  result = compile_time.table(quick=True)
+  assert set(result) == {"title", "markdown", "data"} and result["markdown"].count("|") > 4
+  for model in result["data"]["models"]:
+    assert set(model["ratio"]) == set(compile_time.BASELINE)  # each jaxaccum step against its plain baseline
+    assert all(q["min"] <= q["median"] <= q["max"] for q in model["ratio"].values())
+
+
+def test_compile_time_models_are_one_function_listed_or_scanned():
+  """The compile-time table's transformer: listed and scanned layers give the same loss (abstract shapes only)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxaccum.bench import compile_time
+
+  def concrete(kind, key):
+    shapes = compile_time._abstract_params(kind, 2, 16)
+    leaves, tree = jax.tree.flatten(shapes)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(
+      tree, [0.1 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)]
+    )
+
+  listed = concrete("listed", jax.random.key(0))
+  scanned = dict(listed, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *listed["layers"]))
+  batch = {"tok": jnp.arange(8 * 4).reshape(8, 4) % 512, "tgt": jnp.arange(8 * 4).reshape(8, 4)[::-1] % 512}
+  a = compile_time.make_loss("listed")(listed, batch)
+  b = compile_time.make_loss("scanned")(scanned, batch)
+  np.testing.assert_allclose(a, b, rtol=1e-5)

@@ -202,3 +202,25 @@ def test_shard_batch_refuses_an_empty_batch_as_make_train_step_does():
     ja.shard_batch({"x": np.zeros((0, 3)), "y": np.zeros((0,))}, mesh)
   with pytest.raises(ValueError, match=r"batch\[1\] has 0 rows"):
     ja.shard_batch((jnp.zeros((8, 3)), jnp.zeros((0,))), mesh)
+
+
+def test_cond_traces_each_branch_once_and_keeps_constants_and_closures():
+  """Each branch's Python runs once per trace (an optimizer update, a microbatch's gradient: issue 39)."""
+  calls = {"yes": 0, "no": 0}
+  scale = jnp.float32(3.0)
+
+  def yes(ops):
+    calls["yes"] += 1
+    x, n = ops
+    return x * scale, n + 1, 1.5  # a closed-over array, and a Python constant
+
+  def no(ops):
+    calls["no"] += 1
+    x, n = ops
+    return x, n, jnp.float32(0)
+
+  f = jax.jit(lambda p, ops: ja.parallel.cond(p, yes, no, ops))
+  for pred, want in ((True, (6.0, 2, 1.5)), (False, (2.0, 1, 0.0))):
+    x, n, c = f(pred, (jnp.float32(2.0), jnp.int32(1)))
+    assert (float(x), int(n), float(c)) == want
+  assert calls == {"yes": 1, "no": 1}  # one trace of f: each branch traced once, not twice

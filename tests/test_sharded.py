@@ -404,3 +404,26 @@ def test_shard_train_state_on_abstract_params_keeps_a_model_axis():
     abstract = ja.shard_train_state(_abstract(params), opt, mesh, strategy=strategy)
     assert _typed(abstract) == _typed(concrete)
     assert abstract[1][0].mu[1]["w"].sharding.spec == P("data", "model")
+
+
+def test_packed_collectives_cut_their_buffer_at_offsets_xla_cannot_fold():
+  """On CPU a packed buffer's pieces are dynamic slices at opaque offsets (issue 39).
+
+  XLA:CPU compiles each distinct kernel once: with static slices each leaf's
+  piece (and the consumer it fuses into) differs by its offset, and a 32-layer
+  model's fsdp "once" step compiled one kernel per leaf, twice.
+  """
+  mesh = data_mesh()
+  leaves = [sharded._Leaf(P(), P(), dim, False) for dim in (0, 1, 0)]
+  xs = [jnp.arange(8 * 3.0).reshape(8, 3), jnp.arange(16 * 8.0).reshape(2, 64), jnp.arange(64.0)]
+
+  def body(*xs):
+    blocks = sharded._packed_reduce_scatter(list(xs), leaves, "data", 8, None, free=True)
+    return tuple(sharded._packed_all_gather(blocks, leaves, "data", 8, to="invarying"))
+
+  f = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 3, out_specs=(P(),) * 3, check_vma=False)
+  prims = {e.primitive.name for e in jax.make_jaxpr(f)(*xs).jaxpr.eqns[0].params["jaxpr"].eqns}
+  if jax.default_backend() == "cpu":
+    assert "dynamic_slice" in prims and "slice" not in prims and "optimization_barrier" in prims
+  for got, x in zip(jax.jit(f)(*xs), xs, strict=True):
+    np.testing.assert_array_equal(got, 8 * x)  # the sum over 8 devices of the same x, gathered back whole

@@ -113,6 +113,7 @@ MEASURES = {
 _BENCH_FILES = {
   "lowcomm": ("bench/lowcomm.py", "bench/textlm.py"),
   "fit": ("bench/fit.py",),
+  # model_axis includes the compile-time table (`compile_time.table`).
   "model_axis": ("bench/model_axis.py", "bench/compile_time.py"),
 }
 
