@@ -39,10 +39,11 @@ elementwise optimizer touches only local data, and one whose update needs a
 global quantity (lamb's trust ratio, `clip_by_global_norm`) gets it from
 scalar all-reduces the partitioner inserts.
 
-Collectives are packed: the leaves sharded over the data axis only are laid
-out in one flat buffer per dtype, so a step has one reduce-scatter and one
-all-gather instruction (per dtype) however many leaves the model has. Leaves
-that another mesh axis also shards get their own collective each; leaves with
+Collectives are packed: the leaves sharded over the data axis are laid out in
+one flat buffer per dtype, so a step has one reduce-scatter and one all-gather
+instruction (per dtype) however many leaves the model has. Leaves that another
+mesh axis also shards join it as their local blocks, in one map manual over
+those axes (`_model_blocks`); leaves with
 no dimension divisible by the axis size stay replicated and join the scalar
 all-reduce.
 
@@ -126,7 +127,7 @@ class _Leaf(NamedTuple):
   param_spec: PartitionSpec  # the parameter's sharding (all mesh axes)
   opt_spec: PartitionSpec  # its optimizer state's and sharded gradient's sharding
   dim: int | None  # the dimension sharded over the plan's shard axis (None: replicated over it)
-  other: bool  # another mesh axis shards the leaf too (its own collectives, no packing)
+  other: bool  # another mesh axis shards the leaf too (packed as its local blocks, `_model_blocks`)
   ndim: int = 0  # the leaf's number of dimensions
 
 
