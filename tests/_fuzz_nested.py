@@ -383,7 +383,7 @@ def ja_grad(loss, params, x, y, mesh):
 def errors(programs: list[Program], run: Callable, mesh, seed: int = 0, tol: float = 1e-10) -> list[str]:
   """`run(loss, params, x, y, mesh)` against `reference_grad` for the programs together; on an exception or a
   mismatch, one by one. A line per failing program."""
-  from _fuzz_programs import combined, data
+  from _fuzz_programs import combined, data, leaf_errors, one_by_one
 
   x, y = data(seed)
 
@@ -397,20 +397,6 @@ def errors(programs: list[Program], run: Callable, mesh, seed: int = 0, tol: flo
       got = run(loss, params, x, y, mesh)
     except Exception as e:  # noqa: BLE001  (reported with the program that raised it)
       return [f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"]
-    bad = []
-    for i, prog in enumerate(progs):
-      for name in prog.params:
-        g, w = np.asarray(got[f"p{i}"][name]), np.asarray(want[f"p{i}"][name])
-        err = np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-30)
-        if not err <= tol:
-          bad.append(f"program {prog.seed} leaf {name}: relative error {err:.3g}")
-    return bad
+    return leaf_errors(progs, got, want, tol)
 
-  found = check(programs)
-  if not found or len(programs) == 1:
-    return [f"{found} in seed {programs[0].seed}: {list(programs[0].ops)}"] if found else []
-  out = []
-  for prog in programs:
-    for line in check([prog]):
-      out.append(f"seed {prog.seed}: {line}\n    ops: {list(prog.ops)}")
-  return out or found
+  return one_by_one(check, programs)

@@ -556,19 +556,30 @@ def errors(programs: list[Program], seed: int = 0, tol: float = 1e-10, check_vma
     bad = []
     if abs(float(value) - float(want_value)) > tol * max(1.0, abs(float(want_value))):
       bad.append(f"loss {float(value)!r} != {float(want_value)!r}")
-    for i, prog in enumerate(progs):
-      for name in prog.params:
-        g, w = np.asarray(got[f"p{i}"][name]), np.asarray(want[f"p{i}"][name])
-        err = np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-30)
-        if not err <= tol:
-          bad.append(f"program {prog.seed} leaf {name} (dim {prog.dims[name]}): relative error {err:.3g}")
-    return bad
+    return bad + leaf_errors(progs, got, want, tol, lambda prog, name: f" (dim {prog.dims[name]})")
 
+  return one_by_one(check, programs, lambda prog: f"\n    dims: {prog.dims}")
+
+
+def leaf_errors(progs, got, want, tol: float, where=lambda prog, name: "") -> list[str]:
+  """A line per leaf of the side-by-side programs whose gradient is off by more than `tol` (relative)."""
+  bad = []
+  for i, prog in enumerate(progs):
+    for name in prog.params:
+      g, w = np.asarray(got[f"p{i}"][name]), np.asarray(want[f"p{i}"][name])
+      err = np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-30)
+      if not err <= tol:
+        bad.append(f"program {prog.seed} leaf {name}{where(prog, name)}: relative error {err:.3g}")
+  return bad
+
+
+def one_by_one(check, programs, more=lambda prog: "") -> list[str]:
+  """`check(programs)` together; on a failure, each program alone, to name the failing ones."""
   found = check(programs)
   if not found or len(programs) == 1:
-    return [f"{found} in seed {programs[0].seed}: {programs[0].ops}"] if found else []
+    return [f"{found} in seed {programs[0].seed}: {list(programs[0].ops)}"] if found else []
   out = []
   for prog in programs:
     for line in check([prog]):
-      out.append(f"seed {prog.seed}: {line}\n    ops: {list(prog.ops)}\n    dims: {prog.dims}")
+      out.append(f"seed {prog.seed}: {line}\n    ops: {list(prog.ops)}{more(prog)}")
   return out or found
