@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.linalg as jsl
 import numpy as np
-from _fuzz_programs import DEPTH, D, Program, _Gen
+from _fuzz_programs import DEPTH, D, Program, _Gen, draw_layers
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -302,12 +302,7 @@ class _Nested(_Gen):
 def program_nested(seed: int, mesh=None, layers: int | None = None) -> Program:
   """The seeded random program number `seed` of this generator, its closures placed on `mesh`."""
   g = _Nested(seed, mesh)
-  n = layers if layers is not None else g.py.choice([1, 2, 2, 3])
-  fns = []
-  for _ in range(n):
-    f, lab = g.layer()
-    fns.append(f)
-    g.ops.append(lab)
+  fns = draw_layers(g, layers)
 
   def apply(p, x):
     h = x

@@ -441,15 +441,20 @@ class _Gen:
     return apply, f"scan(xs=[{xlab}]{', ' + bn if bn else ''}, body: act(h @ {inside}({clab})){opts})"
 
 
-def program(seed: int, layers: int | None = None) -> Program:
-  """The seeded random program number `seed`."""
-  g = _Gen(seed)
-  n = layers if layers is not None else g.py.choice([1, 2, 2, 3])
+def draw_layers(g, layers: int | None = None) -> list:
+  """`layers` (default 1-3, drawn) layers from generator `g`, each one's label appended to `g.ops`."""
   fns = []
-  for _ in range(n):
+  for _ in range(layers if layers is not None else g.py.choice([1, 2, 2, 3])):
     f, lab = g.layer()
     fns.append(f)
     g.ops.append(lab)
+  return fns
+
+
+def program(seed: int, layers: int | None = None) -> Program:
+  """The seeded random program number `seed`."""
+  g = _Gen(seed)
+  fns = draw_layers(g, layers)
   decay = g.py.choice(list(g.params)) if g.py.random() < 0.3 else None
   if decay is not None:
     g.ops.append(f"+ 0.01 sum({decay}^2)")
