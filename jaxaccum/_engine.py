@@ -535,10 +535,12 @@ def _finite(grads, layouts, mesh) -> jax.Array:
   if not leaves or any(e is PartitionSpec.UNCONSTRAINED for s in specs for e in s):
     return _tree.all_finite(grads)
   split = tuple(n for n in mesh.axis_names if any(n in sharded._names(e) for s in specs for e in s))
+  if not split:  # every gradient whole on every device (ddp beside no other axis): nothing to add up
+    return _tree.all_finite(grads)
 
   def count(*xs):
     local = sum((jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in xs), jnp.zeros((), jnp.float32))
-    return lax.psum(local, split) if split else local
+    return lax.psum(local, split)
 
   bad = jax.shard_map(
     count,

@@ -243,7 +243,7 @@ def local_sums(run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, s
   """
   first = sp.take(0)
   index = jax.ShapeDtypeStruct((), jnp.arange(sp.k).dtype)  # the scan's microbatch index
-  # `run` is traced once, here: the loop below replays this jaxpr (JAX's own evaluator) instead of tracing
+  # `run` is traced once, here: the loop below binds this jaxpr as one call instead of tracing
   # the user's loss, its gradient and the layerwise gathers a second time (half of the step's trace time).
   closed, like = jax.make_jaxpr(run, return_shape=True)(first, index)
   if sp.k > 1 and check_batch:
@@ -257,7 +257,7 @@ def local_sums(run, sp: Split, ws, *, reductions=None, accumulator_dtype=None, s
   ws = ws.astype(_wdtype(shapes, reds, accumulator_dtype))
   ok, wsum = jnp.all(_weight_ok(ws)), jnp.sum(ws)
   flatten = treedef.flatten_up_to  # type: ignore[attr-defined]  # jaxlib types PyTreeDef loosely
-  replay = jax.extend.core.jaxpr_as_fun(closed)
+  replay = _tree.bind_as_call(closed)
 
   def run(mbs, i):  # type: ignore[no-redef]  # the same function, traced once
     outs = replay(*jax.tree.leaves(mbs), jnp.asarray(i, index.dtype))

@@ -9,6 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
+from jax.extend.core import primitives as jex_primitives
 
 
 def accumulator_dtype(dtype: Any, override: Any = None) -> jnp.dtype:
@@ -212,3 +214,18 @@ def fold_keys(tree, index):
       "a raw uint32[2] key (jax.random.PRNGKey), or a tree holding typed keys (an nnx.Rngs state)"
     )
   return jax.tree.map(lambda x: fold_key(x, index) if is_key(x) else x, tree)
+
+
+def bind_as_call(closed):
+  """A function binding the closed jaxpr `closed` as ONE `closed_call` equation (consts passed as arguments).
+
+  Replaying a traced jaxpr equation by equation (`jaxpr_as_fun`) costs a second trace of the whole program; one
+  call equation costs nothing, and lowers to one function XLA inlines.
+  """
+  jaxpr, consts = closed.jaxpr, closed.consts
+  if consts:
+    jaxpr = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
+  prim = jex_primitives.closed_call_p
+  # How `eval_jaxpr` binds a call equation (jax 0.10 wants the body as a function too; 0.11 on, the jaxpr only).
+  params = prim.get_bind_params({"call_jaxpr": jex_core.ClosedJaxpr(jaxpr, [])})
+  return lambda *args: prim.bind(*consts, *args, **params)

@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxaccum import _tree
@@ -88,9 +87,9 @@ def cond(pred, true_fun, false_fun, operands):
   invariant while a local one is varying; each output leaf is cast to varying
   over the union of the two branches' axes. Both are found by tracing the
   branches once each with `jax.make_jaxpr`; the conditional's branches then
-  evaluate those jaxprs (`jax.core.eval_jaxpr`, every equation bound as JAX
-  binds it) instead of running the Python functions a second time: an
-  optimizer's update, or a microbatch's whole gradient, is traced once.
+  bind those jaxprs as one `closed_call` each instead of running the Python
+  functions (or replaying every equation) a second time: an optimizer's
+  update, or a microbatch's whole gradient, is traced once.
   Only numeric dtypes are promoted: a typed PRNG key (`optax.noisy_sgd`'s and
   `optax.add_noise`'s state) has no promotion and passes as it is.
   """
@@ -115,7 +114,7 @@ def cond(pred, true_fun, false_fun, operands):
       return lax.pcast(x, missing, to="varying") if missing else x
 
     def wrapped(ops):
-      outs = jex_core.jaxpr_as_fun(closed)(*jax.tree.leaves(ops))
+      outs = _tree.bind_as_call(closed)(*jax.tree.leaves(ops))
       return jax.tree.unflatten(true_tree, list(map(cast, outs, avals, dtypes, axes)))
 
     return wrapped
