@@ -330,18 +330,21 @@ def _on_block(fn, shard, other: tuple, axis: str, *, every_explicit: bool = Fals
   mesh axis is Explicit: its reducer's scalar type keeps the operand's spec
   ("Length of sharding.spec (1) must be equal to aval's ndim (0)").
 
-  `split` (axes, dimension), for a leaf those axes leave whole (the reduce-scatter, see `layerwise`'s
-  `splits`): the operand is taken split over them on that dimension instead.
+  `split` (axes, dimension), for a leaf those axes leave whole (see `layerwise`'s `splits`): the
+  operand is taken split over them on that dimension instead (the reduce-scatter), or whole over them
+  where the dimension is None (the gather).
   """
   entries = list(other)
+  names: set = set()
   if split is not None:
-    names, at = split
+    names, at = set(split[0]), split[1]
     entries = [None] * np.ndim(shard)
-    entries[at] = names if len(names) > 1 else names[0]
+    if at is not None:
+      entries[at] = split[0] if len(split[0]) > 1 else split[0][0]
   elif not any(e is not None for e in entries):
     spec = getattr(getattr(jax.typeof(shard), "sharding", None), "spec", None)
     entries = [] if spec is None else list(spec)
-  names = {n for e in entries if e is not None for n in ((e,) if isinstance(e, str) else e)}
+  names |= {n for e in entries if e is not None for n in ((e,) if isinstance(e, str) else e)}
   mesh = jax.sharding.get_abstract_mesh()
   if every_explicit and not mesh.empty:
     names |= {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit}
@@ -355,7 +358,11 @@ def _on_block(fn, shard, other: tuple, axis: str, *, every_explicit: bool = Fals
 
 def _gather(ctx, lz, shard, z):
   gather = lambda v: lax.all_gather(v, ctx.axis, axis=lz.dim, tiled=True, to="varying")
-  return _on_block(gather, shard, lz.other, ctx.axis)(_tie(shard, z))
+  # A leaf the free axes leave whole is gathered whole over them, as it is placed: left open, its layout
+  # there follows its consumer (an embedding lookup's output split over "model"), and the partitioner
+  # split the placed shard over "model" and all-gathered it back before the gather over the data axis.
+  whole = None if lz.split is None else (lz.split[0], None)
+  return _on_block(gather, shard, lz.other, ctx.axis, split=whole)(_tie(shard, z))
 
 
 def _scatter(ctx, ct, lz, shard):
