@@ -224,7 +224,10 @@ def _local(cfg: Config, flat, params, state, batch, key):
     # device has a real microbatch there; padding then adds exactly nothing.
     skip = lax.psum((ws > 0).astype(jnp.int32), axis) > 0
   sums = local_sums(run, sp, ws, reductions=reductions, skip=skip)
-  grads = sums.accs[:n_grads] if coll is None else coll.pin(sums.accs[:n_grads])
+  grads = sums.accs[:n_grads]
+  if _layerwise_on(cfg, coll):
+    grads = coll.unsplit(grads)  # the blocks the loop left split over a free axis, back in the plan's layout
+  grads = grads if coll is None else coll.pin(grads)
   rest = sums._replace(accs=sums.accs[n_grads:], reds=sums.reds[n_grads:], like=sums.like[1:], single=None)
   if coll is None:
     out, _ = finish(rest, None, total=total)
@@ -264,18 +267,16 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
   aux_red = "mean" if cfg.aux_reductions is None else cfg.aux_reductions
 
   lean = coll is not None and cfg.plan.params_sharded and cfg.lean
-  # Layer by layer (`_layerwise`): each parameter gathered where the loss uses it and its gradient
-  # reduce-scattered as soon as it exists. grad_norms and noise_scale measure each device's whole
-  # microbatch gradient, which that never holds: with them the tree is gathered whole per microbatch.
   measured = None
   if cfg.noise_scale and cfg.noise_sample is not None:
     real = ws > 0  # False for NaN too
     measured = real & (jnp.cumsum(real.astype(jnp.int32)) <= cfg.noise_sample)
   lw = None
-  if lean and not (cfg.grad_norms or cfg.noise_scale):
+  if _layerwise_on(cfg, coll):
     dims = [lay.dim if j in coll.sharded else None for j, lay in enumerate(coll.flat)]
     others = [_other_axes(lay, cfg.plan) for lay in coll.flat]
-    lw = layerwise(cfg.loss_fn, dims, coll.axis, coll.size, comm_dtype=cfg.comm_dtype, others=others)
+    splits = coll.splits(jax.tree.leaves(params))
+    lw = layerwise(cfg.loss_fn, dims, coll.axis, coll.size, comm_dtype=cfg.comm_dtype, others=others, splits=splits)
 
   def run(mbs, i):
     rest = ((state,) if cfg.has_state else ()) + (mbs[0],) + (() if key is None else (jax.random.fold_in(key, i),))
@@ -328,6 +329,17 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
   reductions += (("mean", "sum") if cfg.noise_scale else ()) + (("sum",) if measured is not None else ())
   reductions += ("last",) if ran_flag else ()
   return run, reductions, n_grads
+
+
+def _layerwise_on(cfg: Config, coll) -> bool:
+  """Whether the loop runs the loss layer by layer (`_layerwise`): fsdp/hsdp gathering per microbatch.
+
+  Each parameter is gathered where the loss uses it and its gradient reduce-scattered as soon as it
+  exists. grad_norms and noise_scale measure each device's whole microbatch gradient, which that never
+  holds: with them the tree is gathered whole per microbatch.
+  """
+  lean = coll is not None and cfg.plan.params_sharded and cfg.lean
+  return lean and not (cfg.grad_norms or cfg.noise_scale)
 
 
 def _other_axes(lay, plan) -> tuple:
@@ -455,7 +467,7 @@ class _Collectives:
   """The strategy's collectives over the data axes (inside the shard_map): gather, scatter, reduce."""
 
   def __init__(self, plan, flat, mesh, wire):
-    self.plan, self.flat, self.wire = plan, flat, wire
+    self.plan, self.flat, self.wire, self.mesh = plan, flat, wire, mesh
     self.axis = plan.shard_axis
     self.size = 1 if self.axis is None else mesh.shape[self.axis]
     # Leaves sharded over the shard axis: reduce-scattered (and, for fsdp, gathered); the rest all-reduced.
@@ -499,6 +511,106 @@ class _Collectives:
       sent = lax.psum([_cast(b, self.wire) for b in blocks], self.plan.replica_axis)
       blocks = [s.astype(b.dtype) for s, b in zip(sent, blocks, strict=True)]
     return blocks, finish(small)
+
+  def splits(self, blocks) -> list:
+    """Per leaf, `(free axes, dimension)` its gradient is reduce-scattered split over in the loop, or None.
+
+    Layer by layer, a leaf sharded over the shard axis that no other mesh axis splits (a norm scale, an
+    embedding on a ("data", "model") mesh whose model code leaves it replicated over "model") gets its
+    gradient from activations the partitioner splits over "model", so it comes out split over "model" on
+    their features dimension, its last one. Left to the partitioner, each reduce-scatter of it gathered it
+    over "model" first: one all-gather per leaf per microbatch (the plain `jit` step keeps it split through
+    its loop and gathers once). Here it is reduce-scattered split on its last dimension over every free Auto
+    axis (each device's piece: no data moves where it was split there, a slice where it was replicated),
+    the accumulated block stays split through the loop, and `unsplit` gathers every such leaf together,
+    once per step. `blocks`: the local blocks (parameters or gradients, the same shapes). Not on Explicit
+    axes (a gradient's type there says its layout) nor on a leaf whose layout is unknown (UNCONSTRAINED).
+    """
+    free = tuple(
+      n
+      for n, t in zip(self.mesh.axis_names, self.mesh.axis_types, strict=True)
+      if n not in self.plan.batch_axes and t == jax.sharding.AxisType.Auto and self.mesh.shape[n] > 1
+    )
+    size = int(np.prod([self.mesh.shape[n] for n in free]))
+    out: list = [None] * len(self.flat)
+    if not free:
+      return out
+    for j in self.sharded:
+      lay, shape = self.flat[j], np.shape(blocks[j])
+      entries = sharded._entries(lay.param_spec, lay.ndim)
+      if any(e is PartitionSpec.UNCONSTRAINED for e in entries) or any(
+        e is not None for e in _other_axes(lay, self.plan)
+      ):
+        continue
+      # On the sharded dimension itself the block is cut into `size` pieces (see `unsplit`).
+      if shape and shape[-1] % size == 0:
+        out[j] = (free, len(shape) - 1)
+    return out
+
+  def unsplit(self, blocks):
+    """The blocks `splits` left split over the free axes, gathered: every such leaf together, once per step.
+
+    A block split on another dimension than the sharded one holds its part of block p on device (p, m):
+    one all-gather over the free axes. Split on the sharded dimension itself, device (p, m) holds piece
+    m P + p of that dimension cut into M P pieces (the reduce-scatter of each device's model part of the
+    gradient), where block p wants pieces p M ... p M + M - 1: one collective-permute of every such block
+    first (piece p M + m to device (p, m)), then the same all-gather.
+    """
+    xs = list(blocks)
+    splits = self.splits(xs)
+    picked = [j for j, s in enumerate(splits) if s is not None]
+    if not picked:
+      return xs
+    free = splits[picked[0]][0]
+    ats = [splits[j][1] for j in picked]
+    same = [i for i, j in enumerate(picked) if ats[i] == self.flat[j].dim]
+    m_size, p_size = int(np.prod([self.mesh.shape[n] for n in free])), self.size
+    # The collective names its axes in mesh order (JAX asks it): device numbers are mixed-radix in that order.
+    names = tuple(n for n in self.mesh.axis_names if n in free or n == self.axis)
+
+    def number(m, p):  # the device at index m over the free axes (in their order) and p over the shard axis
+      coords = {self.axis: p}
+      for n in reversed(free):
+        m, coords[n] = divmod(m, self.mesh.shape[n])
+      out = 0
+      for n in names:
+        out = out * self.mesh.shape[n] + coords[n]
+      return out
+
+    # Device (p, m) holds piece m P + p and wants piece p M + m, held by (p', m') with m' P + p' = p M + m.
+    perm = [(number(*divmod(p * m_size + m, p_size)), number(m, p)) for m in range(m_size) for p in range(p_size)]
+
+    def body(*pieces):
+      pieces = list(pieces)
+      out = list(pieces)
+      for group in sharded._groups(range(len(pieces)), key=lambda i: pieces[i].dtype):  # one buffer per dtype
+        swapped = [i for i in group if i in same]
+        if swapped:
+          sizes = [pieces[i].size for i in swapped]
+          moved = lax.ppermute(jnp.concatenate([pieces[i].reshape(-1) for i in swapped]), names, perm)
+          for i, piece in zip(swapped, sharded._pieces(moved, 0, sizes), strict=True):
+            pieces[i] = piece.reshape(pieces[i].shape)
+        flats = [jnp.moveaxis(pieces[i], ats[i], 0).reshape(-1) for i in group]
+        full = lax.all_gather(jnp.concatenate(flats), free, axis=0, tiled=False)
+        for i, piece in zip(group, sharded._pieces(full, 1, [f.size for f in flats]), strict=True):
+          moved_shape = jnp.moveaxis(pieces[i], ats[i], 0).shape
+          out[i] = jnp.moveaxis(piece.reshape((m_size * moved_shape[0], *moved_shape[1:])), 0, ats[i])
+      return tuple(out)
+
+    entry = free if len(free) > 1 else free[0]
+    specs = tuple(PartitionSpec(*([None] * at + [entry])) for at in ats)
+    mesh = jax.sharding.get_abstract_mesh()
+    gathered = jax.shard_map(
+      body,
+      mesh=mesh,
+      axis_names=set(free),
+      in_specs=specs,
+      out_specs=tuple(PartitionSpec() for _ in picked),
+      check_vma=parallel.vma_tracking(self.axis),
+    )(*[xs[j] for j in picked])
+    for j, g in zip(picked, gathered, strict=True):
+      xs[j] = g
+    return xs
 
   def merge(self, blocks, small):
     """Sharded blocks and summed small leaves back in leaf order, in the accumulator's dtypes."""

@@ -161,6 +161,9 @@ class _Lazy(NamedTuple):
   dim: int  # the dimension `shard` is a block of
   chain: tuple  # `_Step`s to replay on the gathered array, in order
   other: tuple = ()  # per dimension of `shard`, the other mesh axes (e.g. "model") sharding it, or None
+  # (free mesh axes, dimension): the gradient is reduce-scattered split over those axes on that dimension (see
+  # `layerwise`'s `splits`), None: on the block `other` gives
+  split: Any = None
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -310,7 +313,7 @@ class _Ctx(NamedTuple):
   scale: Any = None  # a scalar per device (or None): each parameter gradient's factor, applied before the scatter
 
 
-def _on_block(fn, shard, other: tuple, axis: str, *, every_explicit: bool = False):
+def _on_block(fn, shard, other: tuple, axis: str, *, every_explicit: bool = False, split=None):
   """`fn` (a collective over the manual data axis) on each device's block over the other mesh axes.
 
   A leaf that other axes (e.g. "model") shard too runs its data-axis collective
@@ -326,12 +329,22 @@ def _on_block(fn, shard, other: tuple, axis: str, *, every_explicit: bool = Fals
   data moves for them). JAX 0.11 and 0.12 lower `psum_scatter` only where no
   mesh axis is Explicit: its reducer's scalar type keeps the operand's spec
   ("Length of sharding.spec (1) must be equal to aval's ndim (0)").
+
+  `split` (axes, dimension), for a leaf those axes leave whole (see `layerwise`'s `splits`): the
+  operand is taken split over them on that dimension instead (the reduce-scatter), or whole over them
+  where the dimension is None (the gather).
   """
   entries = list(other)
-  if not any(e is not None for e in entries):
+  names: set = set()
+  if split is not None:
+    names, at = set(split[0]), split[1]
+    entries = [None] * np.ndim(shard)
+    if at is not None:
+      entries[at] = split[0] if len(split[0]) > 1 else split[0][0]
+  elif not any(e is not None for e in entries):
     spec = getattr(getattr(jax.typeof(shard), "sharding", None), "spec", None)
     entries = [] if spec is None else list(spec)
-  names = {n for e in entries if e is not None for n in ((e,) if isinstance(e, str) else e)}
+  names |= {n for e in entries if e is not None for n in ((e,) if isinstance(e, str) else e)}
   mesh = jax.sharding.get_abstract_mesh()
   if every_explicit and not mesh.empty:
     names |= {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit}
@@ -345,7 +358,11 @@ def _on_block(fn, shard, other: tuple, axis: str, *, every_explicit: bool = Fals
 
 def _gather(ctx, lz, shard, z):
   gather = lambda v: lax.all_gather(v, ctx.axis, axis=lz.dim, tiled=True, to="varying")
-  return _on_block(gather, shard, lz.other, ctx.axis)(_tie(shard, z))
+  # A leaf the free axes leave whole is gathered whole over them, as it is placed: left open, its layout
+  # there follows its consumer (an embedding lookup's output split over "model"), and the partitioner
+  # split the placed shard over "model" and all-gathered it back before the gather over the data axis.
+  whole = None if lz.split is None else (lz.split[0], None)
+  return _on_block(gather, shard, lz.other, ctx.axis, split=whole)(_tie(shard, z))
 
 
 def _scatter(ctx, ct, lz, shard):
@@ -358,7 +375,7 @@ def _scatter(ctx, ct, lz, shard):
   if ctx.keep is not None:
     # Exactly 0 from a device whose microbatch does not count (an all-padding one: NaN loss).
     ct = jnp.where(ctx.keep, ct, jnp.zeros((), ct.dtype))
-  on_block = _on_block(scatter, shard, lz.other, ctx.axis, every_explicit=True)
+  on_block = _on_block(scatter, shard, lz.other, ctx.axis, every_explicit=True, split=lz.split)
   if ctx.wire is not None:
     return on_block(ct.astype(ctx.wire)).astype(shard.dtype)
   return on_block(ct)
@@ -578,7 +595,11 @@ def _split(invals):
   """
   flat = [x.shard if isinstance(x, _Lazy) else x for x in invals if isinstance(x, _Lazy) or _traced(x)]
   specs = [
-    ("lazy", (x.dim, x.chain, x.other)) if isinstance(x, _Lazy) else ("traced", None) if _traced(x) else ("const", x)
+    ("lazy", (x.dim, x.chain, x.other, x.split))
+    if isinstance(x, _Lazy)
+    else ("traced", None)
+    if _traced(x)
+    else ("const", x)
     for x in invals
   ]
   return flat, specs
@@ -632,14 +653,25 @@ def _scan(ctx, eqn, invals):
     _note("scan", "a parameter in the carry, gathered before the loop")
   carry = [_materialize(ctx, x) for x in carry]
   x_flat: list = []
-  x_specs: list[tuple[int, tuple, tuple] | None] = []
+  x_specs: list[tuple[int, tuple, tuple, Any] | None] = []
   for x in xs:
-    if isinstance(x, _Lazy) and x.dim > 0 and all(_per_layer(step) for step in x.chain):
+    why = None
+    if isinstance(x, _Lazy):
+      why = (
+        "sharded on the layer axis"
+        if x.dim == 0
+        else "its gradient split on the layer axis"
+        if x.split is not None and x.split[1] == 0
+        else None
+        if all(_per_layer(step) for step in x.chain)
+        else "read through a non-elementwise chain"
+      )
+    if isinstance(x, _Lazy) and why is None:
       x_flat.append(x.shard)
-      x_specs.append((x.dim - 1, x.chain, tuple(x.other[1:])))
+      split = None if x.split is None else (x.split[0], x.split[1] - 1)
+      x_specs.append((x.dim - 1, x.chain, tuple(x.other[1:]), split))
     else:
-      if isinstance(x, _Lazy):
-        why = "sharded on the layer axis" if x.dim == 0 else "read through a non-elementwise chain"
+      if why is not None:
         _note("scan", f"a stacked parameter {why}, gathered before the loop")
       x_flat.append(_materialize(ctx, x))
       x_specs.append(None)
@@ -680,6 +712,7 @@ def layerwise(
   *,
   comm_dtype: Any = None,
   others: Sequence[tuple] | None = None,
+  splits: Sequence[tuple | None] | None = None,
 ):
   """Returns `f(shards, *args, keep=None, scale=None)`: `loss_fn(full_params, *args)`, parameters gathered where used.
 
@@ -729,6 +762,17 @@ def layerwise(
       mesh axes other than `axis` that shard it too (e.g. `(None, "model")`),
       None where none does: its collectives then run on each "model" block
       (see `_on_block`). Default: read from the shards' types (Explicit axes).
+    splits: per leaf, None or `(axes, d)`: free Auto mesh axes that leave
+      the leaf whole (its `others` all None) and a dimension of it. Its
+      gradient is then reduce-scattered split over `axes` on dimension `d`
+      (each device's piece of it: `_on_block`), and the block comes back
+      split so. Left to the partitioner, a gradient that comes out split over
+      "model" (computed from activations split there, as a norm scale's or
+      an embedding's is) is gathered over "model" before each reduce-scatter:
+      one all-gather per use per call. Where `d` is the leaf's `dims` entry
+      itself, device (p, m) gets piece m * size + p of that dimension cut into
+      `size` times as many pieces, not its part of block p: the caller puts
+      them back in block order (make_train_step does, once per step).
 
   Returns:
     `f(shards, *args, keep=None, scale=None)`, returning what `loss_fn` returns.
@@ -758,7 +802,10 @@ def layerwise(
       full.append(aval)
     closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(jax.tree.unflatten(treedef, full), *args)
     other = [()] * len(leaves) if others is None else [tuple(o) for o in others]
-    vals = [x if d is None else _Lazy(x, d, (), o) for x, d, o in zip(leaves, flat_dims, other, strict=True)]
+    split = [None] * len(leaves) if splits is None else list(splits)
+    vals = [
+      x if d is None else _Lazy(x, d, (), o, sp) for x, d, o, sp in zip(leaves, flat_dims, other, split, strict=True)
+    ]
     outs = _eval(ctx, closed.jaxpr, closed.consts, vals + jax.tree.leaves(args))
     outs = [_materialize(ctx, o) for o in outs]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

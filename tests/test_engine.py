@@ -227,6 +227,75 @@ def test_model_sharding_kept_by_every_strategy(strategy, kind):
   chex.assert_trees_all_close(jax.device_get(new_p), want["params"], rtol=RTOL, atol=1e-15)
 
 
+def _split_loss(tp):
+  """Embedding, a scanned stack of norm scales, a norm scale, two kernels over `tp`: activations split over `tp` on
+  their features, so the replicated leaves' gradients come out split there (as a Flax model's on a model axis)."""
+
+  def rms(x):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+
+  def loss(params, batch):
+    x = params["embed"][batch["tokens"]]
+    if not jax.sharding.get_abstract_mesh().empty:  # the reference runs on one device
+      x = jax.lax.with_sharding_constraint(x, jax.P(None, None, tp))
+    x, _ = jax.lax.scan(lambda x, s: (rms(x) * s + x, None), x, params["scales"])
+    h = jnp.tanh((rms(x) * params["norm"]) @ params["w"])
+    logits = h @ params["out"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+  return loss
+
+
+@pytest.mark.parametrize(
+  "strategy, shape, names",
+  smoke(
+    [
+      ("fsdp", (4, 2), ("data", "model")),
+      ("fsdp", (2, 2, 2), ("data", "a", "b")),
+      ("hsdp", (2, 2, 2), ("rep", "shard", "model")),
+    ],
+    {("fsdp", (4, 2), ("data", "model"))},
+  ),
+)
+def test_leaves_the_model_axis_leaves_whole_reduce_scatter_split_over_it(strategy, shape, names):
+  """fsdp per microbatch on an Auto mesh with free axes: the leaves they leave whole (an embedding, norm scales,
+  stacked and scanned ones) are reduce-scattered split over them and put back once per step, exactly.
+
+  Split on another dimension than the data one (the embedding) and on the data one itself (the norm scales:
+  the pieces come back in block order through one collective-permute); one free axis and two.
+  """
+  data = names[:2] if strategy == "hsdp" else names[0]
+  tp = tuple(n for n in names if n not in (data if isinstance(data, tuple) else (data,)))
+  tp = tp[0] if len(tp) == 1 else tp
+  mesh = _mesh(AxisType.Auto, shape, names)
+  ks = jax.random.split(jax.random.PRNGKey(0), 5)
+  params = {
+    "embed": jax.random.normal(ks[0], (32, 16)),
+    "scales": 1 + 0.1 * jax.random.normal(ks[1], (2, 16)),
+    "norm": 1 + 0.1 * jax.random.normal(ks[2], (16,)),
+    "w": 0.3 * jax.random.normal(ks[3], (16, 16)),
+    "out": 0.3 * jax.random.normal(ks[4], (16, 32)),
+  }
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 32, (16, 5))
+  batch = {"tokens": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+  loss_fn = _split_loss(tp)
+  opt = optax.sgd(0.5)  # linear in the gradient: a block out of order shows
+  with jax.set_mesh(mesh):
+    placed = dict(params)
+    placed["w"] = jax.device_put(params["w"], jax.sharding.NamedSharding(mesh, jax.P(None, tp)))
+    placed["out"] = jax.device_put(params["out"], jax.sharding.NamedSharding(mesh, jax.P(tp, None)))
+    p, s = ja.shard_train_state(placed, opt, mesh, strategy=strategy, data_axis=data)
+    step = ja.make_train_step(loss_fn, opt, num_microbatches=2, mesh=mesh, data_axis=data, strategy=strategy)
+    new_p, _, metrics = step(p, s, ja.shard_batch(batch, mesh, data))
+  loss, grads = jax.value_and_grad(loss_fn)(params, batch)  # equal microbatches: the mean of means
+  want = optax.apply_updates(params, opt.update(grads, opt.init(params), params)[0])
+  chex.assert_trees_all_close(jax.device_get(new_p), want, rtol=RTOL, atol=1e-14)
+  np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=RTOL)
+  for name in ("embed", "scales", "norm"):  # back in the plan's layout: replicated over the free axes
+    assert not _names(new_p[name].sharding.spec) & set(tp if isinstance(tp, tuple) else (tp,)), name
+
+
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
 def test_layouts_kept_inside_an_outer_jit_and_a_replicated_state_is_placed(strategy):
   """Called inside the user's jax.jit (no concrete shardings), the state comes back sharded; P() in, sharded out."""
