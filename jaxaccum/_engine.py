@@ -673,10 +673,14 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
   applied = (total > 0) & (_tree.all_finite(grads) if layouts is None else _finite(grads, layouts, mesh))
   to_piece, specs = (lambda tree: tree), None
   if layouts is not None:
-    to_piece = lambda tree: jax.tree.map(lambda x, lay: sharded._place(x, mesh, lay.opt_spec), tree, layouts)
     specs = sharded.state_specs(opt_state, params, layouts, mesh, cfg.plan)
     place = lambda tree: jax.tree.map(lambda x, s: sharded._place(x, mesh, s), tree, specs, is_leaf=_is_spec)
-    opt_state = place(opt_state)  # a replicated state given to zero1 comes back in zero1's layout
+    # Where the optimizer works on the parameters' own layout (ddp, fsdp), parameters and state are laid out
+    # once, at the update's outputs: the same constraints on its inputs (the state, each branch's parameters)
+    # change nothing and cost the partitioner a constraint per leaf each (compile time of deep models).
+    if any(lay.opt_spec != lay.param_spec for lay in jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)):
+      to_piece = lambda tree: jax.tree.map(lambda x, lay: sharded._place(x, mesh, lay.opt_spec), tree, layouts)
+      opt_state = place(opt_state)  # a replicated state given to zero1 is updated in zero1's layout
   new_state = out.pop("state", state)
   extra = _extra_args(cfg.optimizer, out["loss"])
 

@@ -217,7 +217,9 @@ def _weight_ok(w) -> jax.Array:
 def _weighted(out, w, dtype):
   """w * out in `dtype`; exactly 0 where w == 0, so an all-padding microbatch (0/0 = NaN loss) adds nothing."""
   w = w.astype(dtype)
-  return jnp.where(w == 0, jnp.zeros((), dtype), out.astype(dtype) * w)
+  value = out.astype(dtype) * w
+  # lax.select, not jnp.where: jnp.where is a jitted function, one more call per leaf for XLA to inline.
+  return lax.select(w == 0, jnp.zeros_like(value), value)  # a scalar predicate: the value's sharding kept
 
 
 def _wdtype(leaves, reds, override) -> jnp.dtype:
