@@ -225,7 +225,7 @@ def _local(cfg: Config, flat, params, state, batch, key):
     skip = lax.psum((ws > 0).astype(jnp.int32), axis) > 0
   sums = local_sums(run, sp, ws, reductions=reductions, skip=skip)
   grads = sums.accs[:n_grads]
-  if _layerwise_on(cfg, coll):
+  if coll is not None and _layerwise_on(cfg, coll):
     grads = coll.unsplit(grads)  # the blocks the loop left split over a free axis, back in the plan's layout
   grads = grads if coll is None else coll.pin(grads)
   rest = sums._replace(accs=sums.accs[n_grads:], reds=sums.reds[n_grads:], like=sums.like[1:], single=None)
@@ -580,9 +580,9 @@ class _Collectives:
     # Device (p, m) holds piece m P + p and wants piece p M + m, held by (p', m') with m' P + p' = p M + m.
     perm = [(number(*divmod(p * m_size + m, p_size)), number(m, p)) for m in range(m_size) for p in range(p_size)]
 
-    def body(*pieces):
-      pieces = list(pieces)
-      out = list(pieces)
+    def body(*given):
+      pieces = list(given)
+      out = list(given)
       for group in sharded._groups(range(len(pieces)), key=lambda i: pieces[i].dtype):  # one buffer per dtype
         swapped = [i for i in group if i in same]
         if swapped:
@@ -638,9 +638,9 @@ def _finite(grads, layouts, mesh) -> jax.Array:
 
   Each device sums `x * 0` over its own blocks (`_tree.nonfinite_probe`: 0, or NaN where an entry is not
   finite; a `jax.shard_map` manual over every mesh axis, each gradient with the layout the map gave it) and
-  one float32 sum crosses the axes some gradient is split over. Left to the partitioner, every leaf a mesh axis splits (a "model"-sharded weight, a zero1/fsdp block)
-  had its own reduction (one combined all-reduce of a pred per leaf). With no layout known (an outer jit's
-  UNCONSTRAINED), the partitioner's check.
+  one float32 sum crosses the axes some gradient is split over. Left to the partitioner, every leaf a mesh
+  axis splits (a "model"-sharded weight, a zero1/fsdp block) had its own reduction (one combined all-reduce
+  of a pred per leaf). With no layout known (an outer jit's UNCONSTRAINED), the partitioner's check.
   """
   leaves = jax.tree.leaves(grads)
   specs = [lay.opt_spec for lay in jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)]
