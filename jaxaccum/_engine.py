@@ -675,10 +675,13 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
   if layouts is not None:
     specs = sharded.state_specs(opt_state, params, layouts, mesh, cfg.plan)
     place = lambda tree: jax.tree.map(lambda x, s: sharded._place(x, mesh, s), tree, specs, is_leaf=_is_spec)
-    # Where the optimizer works on the parameters' own layout (ddp, fsdp), parameters and state are laid out
-    # once, at the update's outputs: the same constraints on its inputs (the state, each branch's parameters)
-    # change nothing and cost the partitioner a constraint per leaf each (compile time of deep models).
-    if any(lay.opt_spec != lay.param_spec for lay in jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)):
+    # Where the optimizer works on the parameters' own layout (ddp, fsdp) on an Auto mesh, parameters and
+    # state are laid out once, at the update's outputs: the same constraints on its inputs (the state, each
+    # branch's parameters) change nothing and cost the partitioner a constraint per leaf each (compile time of
+    # deep models). On Explicit axes a layout is part of the type: a state given in another layout (say
+    # replicated) is resharded first, or the branch that keeps it would differ in type from the one updating it.
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    if explicit or any(lay.opt_spec != lay.param_spec for lay in jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)):
       to_piece = lambda tree: jax.tree.map(lambda x, lay: sharded._place(x, mesh, lay.opt_spec), tree, layouts)
       opt_state = place(opt_state)  # a replicated state given to zero1 is updated in zero1's layout
   new_state = out.pop("state", state)

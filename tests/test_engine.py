@@ -317,6 +317,35 @@ def test_layouts_kept_inside_an_outer_jit_and_a_replicated_state_is_placed(strat
     assert s2[0].mu[0]["w"].sharding.spec == s[0].mu[0]["w"].sharding.spec
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp", "hsdp"])
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_a_state_given_replicated_is_updated_and_returned_in_the_strategys_layout(strategy, axis_type):
+  """A replicated optimizer state (a checkpoint restored with P()) given to any strategy, on either mesh kind.
+
+  On an Explicit mesh a layout is part of the type: the state must be resharded before the update's
+  conditional, or the branch keeping it and the branch updating it differ in type (fsdp, hsdp: TypeError).
+  """
+  hsdp = strategy == "hsdp"
+  mesh = jax.make_mesh(
+    (2, 4) if hsdp else (8,), ("replica", "data") if hsdp else ("data",), axis_types=(axis_type,) * (2 if hsdp else 1)
+  )
+  data = ("replica", "data") if hsdp else "data"
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  opt = optax.adam(1e-2)
+  p, s = ja.shard_train_state(params, opt, mesh, strategy=strategy, data_axis=data)
+  _, _, _, batch, _, _ = setup("weights", "none")
+  step = ja.make_train_step(
+    masked_loss, opt, num_microbatches=K, mesh=mesh, data_axis=data, strategy=strategy, donate=False
+  )
+  with jax.set_mesh(mesh):
+    new_p, new_s, _ = step(p, ja.replicate(opt.init(params), mesh), ja.shard_batch(batch, mesh, data))
+  chex.assert_trees_all_close(
+    jax.device_get(new_p), reference("plain", params, batch, None, None, 8)["params"], rtol=RTOL
+  )
+  got, want = new_s[0].mu[0]["w"], s[0].mu[0]["w"]
+  assert got.sharding.is_equivalent_to(want.sharding, got.ndim), (got.sharding, want.sharding)
+
+
 @pytest.mark.parametrize("strategy", ["none", "ddp", "zero1", "fsdp"])
 def test_bf16_params_keep_bf16_state_and_compile_once(strategy):
   mesh = None if strategy == "none" else _mesh(AxisType.Auto)
