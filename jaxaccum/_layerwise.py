@@ -87,6 +87,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jcore
+from jax.extend.core import primitives as jex_primitives
 from jax.sharding import AxisType, PartitionSpec
 
 from jaxaccum import _jax_private, parallel
@@ -113,6 +114,9 @@ _INLINE = {
   "closed_call": "call_jaxpr",
   "call": "call_jaxpr",
   "core_call": "call_jaxpr",
+  # A call equation by its primitive's own name ("eval_jaxpr" from jax 0.11 on; the loop binds the traced loss so).
+  jex_primitives.closed_call_p.name: "call_jaxpr",
+  jex_primitives.call_p.name: "call_jaxpr",
 }
 
 

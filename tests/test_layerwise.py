@@ -491,3 +491,32 @@ def test_constant_masks_and_indices_stay_layerwise():
   found = _hlo.collectives(fn.lower(params, x, y).compile().as_text(), num_devices=P)
   gathers = [c.result_bytes for c in found if c.opcode == "all-gather"]
   assert gathers.count(16 * 16 * 8) == 5, gathers
+
+
+def test_a_call_equation_is_evaluated_through_layer_by_layer():
+  """A loss holding a call equation (`closed_call`, named "eval_jaxpr" from jax 0.11: what `jax.extend`'s
+  `closed_call_p` binds, and what the microbatch loop binds the traced loss as) is evaluated through, as a
+  jit equation is: exact, and each weight still gathered at its use and again backwards (5 gathers)."""
+  from jax.extend.core import primitives
+
+  params = _listed(jax.random.PRNGKey(9))
+  x, y = _data()
+
+  def called(loss):
+    def wrapped(p, x, y):
+      closed = jax.make_jaxpr(loss)(p, x, y)
+      params = primitives.closed_call_p.get_bind_params({"call_jaxpr": closed})
+      (out,) = primitives.closed_call_p.bind(*jax.tree.leaves((p, x, y)), **params)
+      return out
+
+    return wrapped
+
+  loss = lambda p, x, y: _listed_loss(p, x, y)[0]
+  specs = [{"b": PartitionSpec("data"), "w": PartitionSpec("data")} for _ in params]
+  fn, (_, grads) = _layerwise_grads(called(loss), params, specs, [0] * 6, x, y)
+  _, want = _full_batch(loss, params, x, y)
+  _assert_close(jax.tree.map(lambda g: g / P, grads), want)
+  found = _hlo.collectives(fn.lower(params, x, y).compile().as_text(), num_devices=P)
+  gathers = [c.result_bytes for c in found if c.opcode == "all-gather"]
+  assert max(gathers) == 16 * 16 * 8, gathers
+  assert gathers.count(16 * 16 * 8) == 5, gathers
