@@ -163,7 +163,7 @@ def test_fit_section_quick_plans_the_smallest_k_that_fits():
   assert result["markdown"].count("|") > 4
 
 
-@pytest.mark.slow  # the quick table: ten compiles of a 2-layer transformer, twice (a minute)
+@pytest.mark.slow  # the quick table: fourteen compiles of a 2-layer transformer, twice (a minute)
 def test_compile_time_table_quick():
   from jaxaccum.bench import compile_time
 
@@ -172,6 +172,8 @@ def test_compile_time_table_quick():
   for model in result["data"]["models"]:
     assert set(model["ratio"]) == set(compile_time.BASELINE)  # each jaxaccum step against its plain baseline
     assert all(q["min"] <= q["median"] <= q["max"] for q in model["ratio"].values())
+    # The plain steps with the skip against the plain steps, and each jaxaccum step against them.
+    assert set(model["skip_ratio"]) == set(compile_time.BASELINE) | set(compile_time.WITH_SKIP.values())
 
 
 def test_compile_time_models_are_one_function_listed_or_scanned():
@@ -196,3 +198,28 @@ def test_compile_time_models_are_one_function_listed_or_scanned():
   a = compile_time.make_loss("listed")(listed, batch)
   b = compile_time.make_loss("scanned")(scanned, batch)
   np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_compile_time_plain_step_with_the_skip_keeps_everything_on_a_non_finite_gradient():
+  """The reference '+ skip' step: the plain step, its update skipped when a gradient is not finite."""
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  from jaxaccum.bench import compile_time
+
+  loss = lambda p, b: jnp.mean(b["x"] @ p["w"])
+  opt = optax.adam(0.1)
+  params = {"w": jnp.ones((3, 2))}
+  state = opt.init(params)
+  x = np.ones((4, 3))
+  for skip in (False, True):
+    step = compile_time._plain_step(loss, opt, 2, skip=skip)
+    new, _ = step(params, state, {"x": x})
+    assert not np.allclose(new["w"], params["w"])  # finite: applied
+    new, new_state = step(params, state, {"x": np.where(np.arange(12).reshape(4, 3) == 5, np.inf, x)})
+    if skip:
+      np.testing.assert_array_equal(new["w"], params["w"])
+      assert int(new_state[0].count) == 0
+    else:
+      assert not np.all(np.isfinite(new["w"]))

@@ -13,6 +13,10 @@ nothing is allocated. Steps:
 - plain: `jax.jit` of a `lax.scan` of `jax.grad` over the K microbatches then
   adam, GSPMD shardings: the fsdp layout (the baseline of the fsdp rows) and
   replicated parameters and state (the baseline of the ddp row);
+- plain + skip: the same plain steps with the guarantee every jaxaccum step
+  gives, written by hand: the update runs in a `lax.cond` on every gradient
+  being finite (`jnp.all(jnp.isfinite(g))` per leaf), else parameters and
+  state are kept. What that guarantee costs on its own, beside the plain step;
 - jaxaccum: `ja.make_train_step(strategy="ddp")`, `strategy="fsdp"` with
   `fsdp_gather="per_microbatch"` and `"once"`.
 
@@ -41,9 +45,18 @@ import jaxaccum as ja
 from jaxaccum.bench import common
 
 SEQ, BATCH, VOCAB, K = 64, 64, 512, 4
-STEPS = ("plain fsdp layout", "plain replicated", "ddp", "fsdp per_microbatch", "fsdp once")
-# Each jaxaccum step against its plain baseline.
+STEPS = (
+  "plain fsdp layout",
+  "plain fsdp layout + skip",
+  "plain replicated",
+  "plain replicated + skip",
+  "ddp",
+  "fsdp per_microbatch",
+  "fsdp once",
+)
+# Each jaxaccum step against its plain baseline (the target's), and against that baseline with the skip.
 BASELINE = {"ddp": "plain replicated", "fsdp per_microbatch": "plain fsdp layout", "fsdp once": "plain fsdp layout"}
+WITH_SKIP = {n: f"{base} + skip" for n, base in BASELINE.items()}
 TARGET = {"listed": 1.25, "scanned": 1.05}
 
 
@@ -96,7 +109,9 @@ def make_loss(kind: str) -> Callable:
   return loss
 
 
-def _plain_step(loss: Callable, opt, k: int) -> Callable:
+def _plain_step(loss: Callable, opt, k: int, *, skip: bool = False) -> Callable:
+  """The plain step; `skip=True`: its update in a `lax.cond` on every gradient being finite, as a user writes it."""
+
   @jax.jit
   def step(params, opt_state, batch):
     mb = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
@@ -105,8 +120,17 @@ def _plain_step(loss: Callable, opt, k: int) -> Callable:
       return jax.tree.map(jnp.add, g, jax.grad(loss)(params, m)), None
 
     g, _ = lax.scan(body, jax.tree.map(jnp.zeros_like, params), mb)
-    updates, opt_state = opt.update(jax.tree.map(lambda x: x / k, g), opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+    g = jax.tree.map(lambda x: x / k, g)
+
+    def update(ops):
+      params, opt_state = ops
+      updates, opt_state = opt.update(g, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    if not skip:
+      return update((params, opt_state))
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)]))
+    return lax.cond(finite, update, lambda ops: ops, (params, opt_state))
 
   return step
 
@@ -127,6 +151,8 @@ def _builders(kind: str, depth: int, width: int, mesh) -> dict[str, Callable]:
   return {
     "plain fsdp layout": lambda: (_plain_step(make_loss(kind), opt, K), (*fsdp_args, batch)),
     "plain replicated": lambda: (_plain_step(make_loss(kind), opt, K), (*ddp_args, batch)),
+    "plain fsdp layout + skip": lambda: (_plain_step(make_loss(kind), opt, K, skip=True), (*fsdp_args, batch)),
+    "plain replicated + skip": lambda: (_plain_step(make_loss(kind), opt, K, skip=True), (*ddp_args, batch)),
     "ddp": lambda: (ja_step("ddp")(), (*ddp_args, batch)),
     "fsdp per_microbatch": lambda: (ja_step("fsdp", "per_microbatch")(), (*fsdp_args, batch)),
     "fsdp once": lambda: (ja_step("fsdp", "once")(), (*fsdp_args, batch)),
@@ -174,6 +200,12 @@ def measure(kind: str, depth: int, width: int, reps: int, steps=STEPS) -> dict:
     for n, base in BASELINE.items()
     if n in names and base in names
   }
+  # The plain step with the skip against the plain step, and each jaxaccum step against the former.
+  skip_ratios = {
+    n: common._quartiles([a / b for a, b in zip(total[n], total[base], strict=True)])
+    for n, base in [*((WITH_SKIP[j], b) for j, b in BASELINE.items()), *WITH_SKIP.items()]
+    if n in names and base in names
+  }
   return {
     "kind": kind,
     "depth": depth,
@@ -184,6 +216,7 @@ def measure(kind: str, depth: int, width: int, reps: int, steps=STEPS) -> dict:
     "ratio": ratios,
     "lower_ratio": lower_ratios,
     "compile_ratio": compile_ratios,
+    "skip_ratio": skip_ratios,
   }
 
 
@@ -204,26 +237,32 @@ def table(quick: bool = False) -> dict:
     f"nothing allocated): a pre-norm transformer (one attention head, 4x gelu MLP, sequence {SEQ}, vocabulary "
     f"{VOCAB}), layers listed (a Python loop) or stacked under `lax.scan`, adam, batch {BATCH}, K = {K}, 8 "
     "devices. Baselines: a plain `jax.jit` + `lax.scan` over the microbatches with GSPMD shardings, in the fsdp "
-    "layout (for the fsdp rows) or replicated (for ddp). Each rep clears JAX's caches and builds fresh functions "
-    "before every step; steps interleaved, order rotated each rep. Seconds: medians over the reps; ratio: "
-    "jaxaccum's total over its baseline's within each rep, median [min, max]. Targets: <= "
-    f"{TARGET['listed']:.2f}x listed, <= {TARGET['scanned']:.2f}x scanned.",
+    "layout (for the fsdp rows) or replicated (for ddp); '+ skip': the same plain step with the guarantee every "
+    "jaxaccum step gives (no update from a non-finite gradient), hand-written: its update in a `lax.cond` on "
+    "`all(isfinite(g))`. Each rep clears JAX's caches and builds fresh functions before every step; steps "
+    "interleaved, order rotated each rep. Seconds: medians over the reps; ratios: a step's total over the "
+    "plain step's (and over the plain step with the skip) within each rep, median [min, max]. Targets "
+    f"(against the plain step): <= {TARGET['listed']:.2f}x listed, <= {TARGET['scanned']:.2f}x scanned.",
     "",
-    "| layers | step | trace + lower (s) | compile (s) | total (s) | total / plain | verdict |",
-    "|---|---|---:|---:|---:|---:|---|",
+    "| layers | step | trace + lower (s) | compile (s) | total (s) | total / plain | total / plain + skip | verdict |",
+    "|---|---|---:|---:|---:|---:|---:|---|",
   ]
   data: dict = {"models": results}
   for res in results:
     label = f"{res['depth']} x {res['width']} {res['kind']}"
     for name in STEPS:
       lo, co = med(res["lower_seconds"][name]), med(res["compile_seconds"][name])
+      skip = res["skip_ratio"].get(name)
       if name in res["ratio"]:
         q = res["ratio"][name]
         cell, verdict = common.ratio_cell(q), common.verdict(q, TARGET[res["kind"]])
         data[f"ratio_compile_time/{res['kind']}/{res['depth']}x{res['width']}/{name}"] = q["median"]
+        skip_cell = "" if skip is None else common.ratio_cell(skip)
+      elif skip is not None:  # the plain step with the skip, against the plain step
+        cell, verdict, skip_cell = common.ratio_cell(skip), "", "(reference)"
       else:
-        cell, verdict = "(baseline)", ""
-      lines.append(f"| {label} | {name} | {lo:.2f} | {co:.2f} | {lo + co:.2f} | {cell} | {verdict} |")
+        cell, verdict, skip_cell = "(baseline)", "", ""
+      lines.append(f"| {label} | {name} | {lo:.2f} | {co:.2f} | {lo + co:.2f} | {cell} | {skip_cell} | {verdict} |")
   fmt = lambda la: "/".join(f"{x:.2f}" for x in la)
   lines += [
     "",
