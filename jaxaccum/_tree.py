@@ -68,6 +68,7 @@ def nonfinite_probe(x) -> jax.Array:
   overflow. It is one reduction per leaf; `all(isfinite(x))` is three kernels on XLA:CPU (the
   predicate array, its reduction, a reduce-window), a compile-time cost of every leaf of a deep model.
   """
+  x = jnp.asarray(x)  # a Python scalar leaf too ({"w": 1.0} is a valid optax tree)
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros((), jnp.float32)
   z = x * jnp.zeros((), x.dtype)
