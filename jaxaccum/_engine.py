@@ -85,12 +85,8 @@ class Config(NamedTuple):
   optimizer_gates_itself: bool = False
 
 
-def step(cfg: Config, given, params, state, opt_state, batch, key, *, state_given=None):
-  """The traced step: `(params, state, opt_state, metrics)` after one update on `batch`.
-
-  `given` / `state_given`: how the parameters / optimizer state were laid out when passed
-  (`sharded.given_spec` per leaf; None when not known, inside an outer jit on an Auto mesh).
-  """
+def step(cfg: Config, given, params, state, opt_state, batch, key):
+  """The traced step: `(params, state, opt_state, metrics)` after one update on `batch`."""
   if cfg.mesh is None:
     cfg = cfg._replace(aux_reductions=_aux_rule(cfg, None, params, state, batch, key))
     grads, out = _local(cfg, None, params, state, batch, key)
@@ -131,27 +127,7 @@ def step(cfg: Config, given, params, state, opt_state, batch, key, *, state_give
     if explained is None:
       raise
     raise explained from e
-  grads = jax.tree.unflatten(jax.tree.structure(params), grads)
-  laid_out = _laid_out(mesh, layouts, given, state_given, opt_state, params, plan)
-  return _update(cfg, layouts, params, state, opt_state, grads, out, laid_out=laid_out)
-
-
-def _laid_out(mesh, layouts, given, state_given, opt_state, params, plan) -> bool:
-  """Whether parameters and optimizer state arrived exactly in the strategy's layout, on an Auto mesh.
-
-  Then every input of the update is laid out as its output must be, and the
-  partitioner keeps that layout through the elementwise update by itself: the
-  update's outputs need no constraint (three per parameter with adam, a cost
-  in compile time of deep models and nothing else).
-  """
-  if given is None or state_given is None or any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types):
-    return False
-  flat = jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)
-  specs = jax.tree.leaves(sharded.state_specs(opt_state, params, layouts, mesh, plan), is_leaf=_is_spec)
-  pairs = [(g, lay.param_spec) for g, lay in zip(given, flat, strict=True)] + list(zip(state_given, specs, strict=True))
-  return all(lay.opt_spec == lay.param_spec for lay in flat) and all(
-    isinstance(g, tuple) and g == tuple(sharded._entries(s, len(g))) for g, s in pairs
-  )
+  return _update(cfg, layouts, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
 
 
 def _traced(cfg: Config, params, state, batch, key) -> _program.Program:
@@ -688,7 +664,7 @@ def _finite(grads, layouts, mesh) -> jax.Array:
   return jnp.isfinite(bad)
 
 
-def _update(cfg: Config, layouts, params, state, opt_state, grads, out, *, laid_out: bool = False):
+def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
   """The optimizer on the global arrays, laid out per the plan; nothing moves unless the step applies."""
   mesh = cfg.mesh
   total = out.pop("total_weight")
@@ -741,7 +717,7 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out, *, laid_
     # or lamb's norms over sharded state) run inside the branch, as in ja.accumulate.
     new_piece, new_opt, new_state = parallel.cond(applied, update, keep, ops)
   new_opt = _tree.cast_like(new_opt, opt_state)  # the dtypes optimizer.init gave: no retrace
-  if layouts is not None and not laid_out:
+  if layouts is not None:
     new_opt = place(new_opt)
     if cfg.plan.shard_axis is not None and not cfg.plan.params_sharded:
       new_piece = _zero1_gather(cfg, layouts, new_piece)

@@ -167,8 +167,6 @@ def _sharding_of(x):
 
 
 def _same_mesh(a, b: Mesh) -> bool:
-  if a is b:  # the common case (shardings built on the user's mesh), without comparing every device per leaf
-    return True
   if not isinstance(a, Mesh):  # an AbstractMesh (a sharding from `jax.eval_shape` on Explicit axes): no devices
     return tuple(a.shape_tuple) == tuple(b.shape_tuple)
   return (

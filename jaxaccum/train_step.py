@@ -99,13 +99,13 @@ class TrainStep:
     self.batch_argnum = arg_names.index("batch")  # for ja.plan_microbatches' default candidates
     has_state = cfg.has_state
 
-    def fun(*args, given=None, state_given=None):
+    def fun(*args, given=None):
       params, state, opt_state, batch, key = args if has_state else (args[0], None, *args[1:])
-      out = _engine.step(cfg, given, params, state, opt_state, batch, key, state_given=state_given)
+      out = _engine.step(cfg, given, params, state, opt_state, batch, key)
       return out if has_state else (out[0], *out[2:])
 
     donate = tuple(range(3 if has_state else 2)) if cfg.donate else ()
-    self._jitted = jax.jit(fun, donate_argnums=donate, static_argnames=("given", "state_given"))
+    self._jitted = jax.jit(fun, donate_argnums=donate, static_argnames=("given",))
     functools.update_wrapper(self, cfg.loss_fn, assigned=("__doc__",), updated=())
 
   def _prepare(self, args, kwargs):
@@ -126,11 +126,8 @@ class TrainStep:
       where = "" if cfg.mesh is None else f" {devices} devices on data axes {cfg.plan.batch_axes} times"
       raise ValueError(f"the batch's leading size {size} is not divisible by{where} num_microbatches={cfg.k}")
     _check_opt_state(cfg.optimizer, named["params"], named["opt_state"])
-    given = state_given = None
+    given = None
     if cfg.mesh is not None:
-      # How the optimizer state arrives (read as the parameters' are): where it is already in the strategy's
-      # layout, the update's outputs need no layout constraints (see `_engine._update`).
-      state_given = tuple(sharded.given_spec(x, cfg.mesh) for x in jax.tree.leaves(named["opt_state"]))
       params = named["params"]
       given = tuple(sharded.given_spec(x, cfg.mesh) for x in jax.tree.leaves(params))
       # Parameters placed on the mesh must be laid out as the strategy wants (a silent reshard costs a
@@ -145,23 +142,23 @@ class TrainStep:
         named["params"] = jax.tree.unflatten(jax.tree.structure(params), leaves)
         given = tuple(sharded.given_spec(x, cfg.mesh) for x in leaves)
     args = tuple(named.get(n) for n in self._arg_names)
-    return args, {"given": given, "state_given": state_given}
+    return args, given
 
   def __call__(self, *args, **kwargs):
-    args, static = self._prepare(args, kwargs)
-    return self._jitted(*args, **static)
+    args, given = self._prepare(args, kwargs)
+    return self._jitted(*args, given=given)
 
   def lower(self, *args, **kwargs):
-    args, static = self._prepare(args, kwargs)
-    return self._jitted.lower(*args, **static)
+    args, given = self._prepare(args, kwargs)
+    return self._jitted.lower(*args, given=given)
 
   def trace(self, *args, **kwargs):
-    args, static = self._prepare(args, kwargs)
-    return self._jitted.trace(*args, **static)
+    args, given = self._prepare(args, kwargs)
+    return self._jitted.trace(*args, given=given)
 
   def eval_shape(self, *args, **kwargs):
-    args, static = self._prepare(args, kwargs)
-    return self._jitted.eval_shape(*args, **static)
+    args, given = self._prepare(args, kwargs)
+    return self._jitted.eval_shape(*args, given=given)
 
   def __getattr__(self, name):
     return getattr(self._jitted, name)
