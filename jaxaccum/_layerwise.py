@@ -114,9 +114,9 @@ _INLINE = {
   "closed_call": "call_jaxpr",
   "call": "call_jaxpr",
   "core_call": "call_jaxpr",
-  # A call equation by its primitive's own name ("eval_jaxpr" from jax 0.11 on; the loop binds the traced loss so).
+  # A call equation in the user's loss by its primitive's own name ("eval_jaxpr" from jax 0.11 on, where call_p
+  # is the same primitive).
   jex_primitives.closed_call_p.name: "call_jaxpr",
-  jex_primitives.call_p.name: "call_jaxpr",
 }
 
 

@@ -494,9 +494,9 @@ def test_constant_masks_and_indices_stay_layerwise():
 
 
 def test_a_call_equation_is_evaluated_through_layer_by_layer():
-  """A loss holding a call equation (`closed_call`, named "eval_jaxpr" from jax 0.11: what `jax.extend`'s
-  `closed_call_p` binds, and what the microbatch loop binds the traced loss as) is evaluated through, as a
-  jit equation is: exact, and each weight still gathered at its use and again backwards (5 gathers)."""
+  """A loss holding a call equation (what `jax.extend`'s `closed_call_p` binds, named "eval_jaxpr" from jax
+  0.11) is evaluated through, as a jit equation is: exact, and each leaf gathered where its layer uses it and
+  again backwards (5 weight gathers, 3 bias gathers), not gathered all together around the call (6 and 6)."""
   from jax.extend.core import primitives
 
   params = _listed(jax.random.PRNGKey(9))
@@ -520,3 +520,4 @@ def test_a_call_equation_is_evaluated_through_layer_by_layer():
   gathers = [c.result_bytes for c in found if c.opcode == "all-gather"]
   assert max(gathers) == 16 * 16 * 8, gathers
   assert gathers.count(16 * 16 * 8) == 5, gathers
+  assert gathers.count(16 * 8) == 3, gathers
