@@ -163,3 +163,33 @@ def shard_map_keeps_free_explicit_axes() -> None:
     return rule(ctx, mesh, manual_axes, spec, aval_in)
 
   _shard_map._shardy_shard_map_sharding = typed
+
+
+@contextlib.contextmanager
+def jnp_calls_kept():
+  """A context in which a trace keeps the `jit` equations JAX inlines while tracing (jnp's own functions).
+
+  jnp functions are `jit(inline=True)`: staged into a jaxpr, their equation is inlined at once
+  (`pjit.pjit_staging_rule`, `params["inline"]` truthy on 0.10, `Inline.JAX_EARLY` from 0.11). Kept as
+  equations, the same function at the same shapes is one shared jaxpr (jit's trace cache), so differentiating
+  the jaxpr later reuses JAX's cached linearization of it, as differentiating the Python code does; evaluated
+  by `eval_jaxpr` into a trace, each is inlined then, as it would have been. Swaps the staging rule of `jit_p`
+  (`interpreters.partial_eval.custom_staging_rules`) for the context. Checked on 0.10.2, 0.11.2, 0.12.0.1.
+  """
+  from jax._src import pjit as _pjit  # noqa: PLC0415, PLC2701
+  from jax._src.interpreters import partial_eval as _pe  # noqa: PLC0415, PLC2701
+
+  rules = _pe.custom_staging_rules
+  before = rules[_pjit.jit_p]
+
+  def kept(trace, source_info, *args, **params):
+    consts = params["jaxpr"].consts
+    if params["compiler_options_kvs"] or any(isinstance(c, _core.Ref) for c in consts):
+      return before(trace, source_info, *args, **params)
+    return trace.default_process_primitive(_pjit.jit_p, args, params, source_info=source_info)
+
+  rules[_pjit.jit_p] = kept
+  try:
+    yield
+  finally:
+    rules[_pjit.jit_p] = before

@@ -15,7 +15,12 @@ such code cannot be traced inside the map. It can be traced outside it:
    it divides the local rows; Auto meshes check no divisibility at trace time).
    Every check (`refusal`) reads that jaxpr: the user's code is never traced
    again, so a module-level `@jax.shard_map` layer (whose wrapper keeps the
-   context mesh of its first call) sees one trace.
+   context mesh of its first call) sees one trace. jnp's own functions stay
+   `jit` equations in it (JAX would inline them while tracing:
+   `_jax_private.jnp_calls_kept`): one called at the same shapes in every layer
+   is one shared jaxpr, so the map's gradient reuses JAX's cached linearization
+   of it as the user's own `jax.grad` does, instead of differentiating every
+   layer equation by equation (the trace time of deep listed models).
 2. `Program.__call__`, inside the per-device map, rewrites the jaxpr once per
    trace of the step (`_Localiser`), structurally: every mesh, sharding and
    PartitionSpec in the equations' parameters (sharding constraints, reshards,
@@ -160,6 +165,7 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), row_axis=None, entry: 
   try:
     with (
       _jax_private.arrays_typed_on(retype),
+      _jax_private.jnp_calls_kept(),
       jax.sharding.use_abstract_mesh(_EMPTY),
       jax.sharding.use_abstract_mesh(at),
     ):
@@ -333,6 +339,7 @@ class _Localiser:
     self.vars: dict = {}
     self.meshes: dict = {}
     self.contexts: dict = {}
+    self.jaxprs: dict = {}
 
   def mesh(self, m):
     """The mesh `m` (a trace-time mesh, concrete or abstract) as seen inside the map, its manual axes kept."""
@@ -414,7 +421,12 @@ class _Localiser:
     return got
 
   def closed(self, c):
-    return jex_core.ClosedJaxpr(self.jaxpr(c.jaxpr), [self.const(x) for x in c.consts])
+    # One localised jaxpr per traced one: a jnp function called at the same shapes in every layer is one shared
+    # jaxpr (`_jax_private.jnp_calls_kept`), and stays one, so that JAX's caches keyed on it hit.
+    got = self.jaxprs.get(id(c))
+    if got is None or got[0] is not c:
+      got = self.jaxprs[id(c)] = (c, jex_core.ClosedJaxpr(self.jaxpr(c.jaxpr), [self.const(x) for x in c.consts]))
+    return got[1]
 
   def jaxpr(self, j):
     return j.replace(

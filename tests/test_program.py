@@ -26,6 +26,7 @@ from zoo.annotated_models import _tp_init, _tp_loss
 from zoo.flax_models import regression
 
 import jaxaccum as ja
+from jaxaccum import _program
 
 K, ROWS, LR = 2, 32, 0.3
 RUNS = {  # strategy -> (make_train_step kwargs, mesh shape, mesh names, data axis)
@@ -557,3 +558,36 @@ def test_a_linear_solve_in_the_parameters_runs_exact(strategy, kind):
   params, batch = two_layer(jax.random.PRNGKey(0)), regression_data(jax.random.PRNGKey(1), ROWS)
   got = one_step(_solve_loss, params, batch, mesh, axis, **kwargs)
   chex.assert_trees_all_close(got, plain_step(_solve_loss, params, batch, mesh), rtol=1e-12, atol=1e-14)
+
+
+def test_jnp_calls_stay_shared_jaxprs_through_the_trace_and_the_localiser():
+  """A jnp function called at the same shapes in every layer is one jaxpr, in the trace and once localised.
+
+  That sharing is what lets JAX's linearization cache hit when the per-device map differentiates the
+  traced loss, as it hits when the user's own jit differentiates the Python code (trace time of deep
+  listed models: the bench's compile-time table). Inlined while tracing, as JAX stages a jnp call by
+  default, every layer would be differentiated equation by equation.
+  """
+  mesh = make_mesh((8,), ("data",))
+
+  def loss(params, batch):
+    x = batch["x"]
+    for w in params:
+      x = jnp.tanh(x @ w)
+    return jnp.mean(x**2)
+
+  params = [jnp.ones((3, 3)) for _ in range(4)]
+  prog = _program.trace(loss, (params, {"x": jnp.ones((2, 3))}), mesh=mesh, data_axes=("data",), batch_argnums=(1,))
+  inside = mesh.abstract_mesh.update_axis_types({"data": AxisType.Manual})
+  local = _program.localise(prog.closed, inside, ("data",), prog.at)
+  for closed in (prog.closed, local):
+    calls = [e.params["jaxpr"] for e in closed.jaxpr.eqns if e.primitive.name == "jit"]
+    by_name = {}
+    for e in closed.jaxpr.eqns:
+      if e.primitive.name == "jit":
+        by_name.setdefault(e.params["name"], set()).add(id(e.params["jaxpr"]))
+    assert len(calls) >= 8, [e.primitive.name for e in closed.jaxpr.eqns]
+    # Layers 2-4 see the same shapes and types: one jaxpr each for matmul and tanh (the first layer reads the
+    # batch argument itself, typed as the rows are).
+    assert len(by_name["matmul"]) <= 2 and len(by_name["tanh"]) <= 2, by_name
+  assert [e.primitive.name for e in local.jaxpr.eqns] == [e.primitive.name for e in prog.closed.jaxpr.eqns]
