@@ -671,8 +671,21 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
   grads = jax.tree.map(lambda g, p: g.astype(_tree.dtype_of(p)), grads, params)  # as plain optax would see them
   # NaN (an invalid weight) compares False too; a non-finite mean gradient never reaches the parameters.
   applied = (total > 0) & (_tree.all_finite(grads) if layouts is None else _finite(grads, layouts, mesh))
-  to_piece, specs = (lambda tree: tree), None
+  to_piece, specs, pinned = (lambda tree: tree), None, layouts is not None
   if layouts is not None:
+    # Nothing to lay out at the outputs where every axis that splits anything is a data axis and every layout
+    # is replicated (ddp on a data-only Auto mesh): every input of the update is replicated, so the partitioner
+    # has no sharding to propagate into its outputs, which come back replicated, as the inputs came. A sharding
+    # constraint per output leaf (three per leaf with adam) costs the partitioner compile time and changes
+    # nothing there. Anywhere a layout is sharded, or a mesh axis is free (a "model" axis the partitioner
+    # could use), or Explicit (a layout is part of the type), the outputs are laid out as the plan says.
+    pinned = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types) or any(
+      size > 1 and name not in cfg.plan.batch_axes for name, size in mesh.shape.items()
+    )
+    pinned = pinned or not all(
+      _replicated(lay.param_spec) and _replicated(lay.opt_spec)
+      for lay in jax.tree.leaves(layouts, is_leaf=sharded._is_leaf)
+    )
     specs = sharded.state_specs(opt_state, params, layouts, mesh, cfg.plan)
     place = lambda tree: jax.tree.map(lambda x, s: sharded._place(x, mesh, s), tree, specs, is_leaf=_is_spec)
     # Where the optimizer works on the parameters' own layout (ddp, fsdp) on an Auto mesh, parameters and
@@ -717,7 +730,7 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
     # or lamb's norms over sharded state) run inside the branch, as in ja.accumulate.
     new_piece, new_opt, new_state = parallel.cond(applied, update, keep, ops)
   new_opt = _tree.cast_like(new_opt, opt_state)  # the dtypes optimizer.init gave: no retrace
-  if layouts is not None:
+  if pinned:
     new_opt = place(new_opt)
     if cfg.plan.shard_axis is not None and not cfg.plan.params_sharded:
       new_piece = _zero1_gather(cfg, layouts, new_piece)
@@ -739,6 +752,11 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
     grad_sq, trace_cov, valid = est
     metrics["noise_scale"] = _noise.step_estimate(grad_sq, trace_cov, valid)
   return new_piece, new_state, new_opt, metrics
+
+
+def _replicated(spec: PartitionSpec) -> bool:
+  """Whether `spec` names no mesh axis (UNCONSTRAINED, a layout not known inside an outer jit, is not)."""
+  return all(e is None for e in spec)
 
 
 def _extra_args(optimizer, loss) -> dict:

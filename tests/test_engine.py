@@ -346,6 +346,35 @@ def test_a_state_given_replicated_is_updated_and_returned_in_the_strategys_layou
   assert got.sharding.is_equivalent_to(want.sharding, got.ndim), (got.sharding, want.sharding)
 
 
+@pytest.mark.parametrize("opt_name", ["adam", "muon"])
+def test_ddp_on_a_data_only_auto_mesh_leaves_the_update_unconstrained_and_keeps_the_layout(opt_name):
+  """ddp on an Auto mesh of data axes only: every input of the update is replicated, so its outputs are left to the
+  partitioner, which has nothing sharded to propagate into them (a sharding constraint per output leaf, three
+  per leaf with adam, cost compile time: #39). They come back replicated, as given, under an elementwise
+  optimizer and under one that multiplies matrices (muon), the next call takes them without a retrace, and the
+  update is the plain one's."""
+  mesh = _mesh(AxisType.Auto)
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  opt = optax.adam(1e-2) if opt_name == "adam" else optax.contrib.muon(1e-2)
+  p, s = ja.shard_train_state(params, opt, mesh, strategy="ddp")
+  _, _, _, batch, _, _ = setup("weights", "none")
+  b = ja.shard_batch(batch, mesh)
+  step = ja.make_train_step(masked_loss, opt, num_microbatches=K, mesh=mesh, strategy="ddp", donate=False)
+  constraints = step.lower(p, s, b).as_text().count("sharding_constraint")
+  assert constraints < len(jax.tree.leaves(p)), constraints  # the batch's placement only
+  new_p, new_s, metrics = step(p, s, b)
+  assert bool(metrics["applied"])
+  for got, given in zip(jax.tree.leaves((new_p, new_s)), jax.tree.leaves((p, s)), strict=True):
+    assert got.sharding.is_fully_replicated and got.sharding.is_equivalent_to(given.sharding, got.ndim), got.sharding
+  step(new_p, new_s, b)
+  assert step._cache_size() == 1
+  # The plain update on the mean of the microbatches' gradients (no weight_fn: each counts the same).
+  grads = [jax.grad(masked_loss)(params, jax.tree.map(lambda v, r=r: v[r], batch)) for *_, r in microbatches(batch, 8)]
+  mean = jax.tree.map(lambda *gs: sum(gs) / len(gs), *grads)
+  updates, _ = opt.update(mean, opt.init(params), params)
+  chex.assert_trees_all_close(jax.device_get(new_p), optax.apply_updates(params, updates), rtol=RTOL)
+
+
 @pytest.mark.parametrize("strategy", ["none", "ddp", "zero1", "fsdp"])
 def test_bf16_params_keep_bf16_state_and_compile_once(strategy):
   mesh = None if strategy == "none" else _mesh(AxisType.Auto)
