@@ -85,8 +85,12 @@ class Config(NamedTuple):
   optimizer_gates_itself: bool = False
 
 
-def step(cfg: Config, given, params, state, opt_state, batch, key):
-  """The traced step: `(params, state, opt_state, metrics)` after one update on `batch`."""
+def step(cfg: Config, given, params, state, opt_state, batch, key, *, state_replicated: bool = False):
+  """The traced step: `(params, state, opt_state, metrics)` after one update on `batch`.
+
+  `state_replicated`: every leaf of `opt_state` was given replicated over the mesh (or with no layout of its own:
+  a host value, an uncommitted array), read from the concrete arguments by the caller (`TrainStep._prepare`).
+  """
   if cfg.mesh is None:
     cfg = cfg._replace(aux_reductions=_aux_rule(cfg, None, params, state, batch, key))
     grads, out = _local(cfg, None, params, state, batch, key)
@@ -127,7 +131,8 @@ def step(cfg: Config, given, params, state, opt_state, batch, key):
     if explained is None:
       raise
     raise explained from e
-  return _update(cfg, layouts, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
+  grads = jax.tree.unflatten(jax.tree.structure(params), grads)
+  return _update(cfg, layouts, params, state, opt_state, grads, out, state_replicated=state_replicated)
 
 
 def _traced(cfg: Config, params, state, batch, key) -> _program.Program:
@@ -664,7 +669,7 @@ def _finite(grads, layouts, mesh) -> jax.Array:
   return jnp.isfinite(bad)
 
 
-def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
+def _update(cfg: Config, layouts, params, state, opt_state, grads, out, *, state_replicated: bool = False):
   """The optimizer on the global arrays, laid out per the plan; nothing moves unless the step applies."""
   mesh = cfg.mesh
   total = out.pop("total_weight")
@@ -673,14 +678,17 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out):
   applied = (total > 0) & (_tree.all_finite(grads) if layouts is None else _finite(grads, layouts, mesh))
   to_piece, specs, pinned = (lambda tree: tree), None, layouts is not None
   if layouts is not None:
-    # Nothing to lay out at the outputs where every axis that splits anything is a data axis and every layout
-    # is replicated (ddp on a data-only Auto mesh): every input of the update is replicated, so the partitioner
-    # has no sharding to propagate into its outputs, which come back replicated, as the inputs came. A sharding
-    # constraint per output leaf (three per leaf with adam) costs the partitioner compile time and changes
-    # nothing there. Anywhere a layout is sharded, or a mesh axis is free (a "model" axis the partitioner
-    # could use), or Explicit (a layout is part of the type), the outputs are laid out as the plan says.
-    pinned = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types) or any(
-      size > 1 and name not in cfg.plan.batch_axes for name, size in mesh.shape.items()
+    # Nothing to lay out at the outputs where every axis that splits anything is a data axis, every layout is
+    # replicated (ddp on a data-only Auto mesh) and the optimizer state was given replicated: every input of the
+    # update is then replicated, so the partitioner has no sharding to propagate into its outputs, which come
+    # back replicated, as the inputs came. A sharding constraint per output leaf (three per leaf with adam)
+    # costs the partitioner compile time and changes nothing there. Anywhere a layout is sharded, a mesh axis
+    # is free (a "model" axis the partitioner could use) or Explicit (a layout is part of the type), or the
+    # state came in another layout (zero1's, a checkpoint's), the outputs are laid out as the plan says.
+    pinned = (
+      not state_replicated
+      or any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+      or any(size > 1 and name not in cfg.plan.batch_axes for name, size in mesh.shape.items())
     )
     pinned = pinned or not all(
       _replicated(lay.param_spec) and _replicated(lay.opt_spec)

@@ -14,6 +14,7 @@ no way to retype them or the equations' recorded contexts.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import jax
 from jax._src import ad_util as _ad_util  # noqa: PLC2701
@@ -165,31 +166,58 @@ def shard_map_keeps_free_explicit_axes() -> None:
   _shard_map._shardy_shard_map_sharding = typed
 
 
-@contextlib.contextmanager
-def jnp_calls_kept():
-  """A context in which a trace keeps the `jit` equations JAX inlines while tracing (jnp's own functions).
+def jnp_calls_kept(fn):
+  """`fn` with the `jit` equations JAX inlines while tracing (jnp's own functions) kept, where `fn` itself stages them.
 
   jnp functions are `jit(inline=True)`: staged into a jaxpr, their equation is inlined at once
   (`pjit.pjit_staging_rule`, `params["inline"]` truthy on 0.10, `Inline.JAX_EARLY` from 0.11). Kept as
   equations, the same function at the same shapes is one shared jaxpr (jit's trace cache), so differentiating
   the jaxpr later reuses JAX's cached linearization of it, as differentiating the Python code does; evaluated
-  by `eval_jaxpr` into a trace, each is inlined then, as it would have been. Swaps the staging rule of `jit_p`
-  (`interpreters.partial_eval.custom_staging_rules`) for the context. Checked on 0.10.2, 0.11.2, 0.12.0.1.
+  by `eval_jaxpr` into a trace, each is inlined then, as it would have been.
+
+  Only equations staged directly into the trace `fn` runs in are kept: a nested trace (the body of a jnp
+  function traced on a cache miss, a scan's body, another thread's trace) stages as JAX does, so what jit's
+  trace cache stores for a jnp function is what it stores anywhere else. The staging rule of `jit_p`
+  (`interpreters.partial_eval.custom_staging_rules`) is wrapped once, process-wide, by one that keeps an
+  equation only for the trace on top of this thread's stack (pushed while `fn` runs) and otherwise calls
+  JAX's own rule; it also calls it for what only that rule handles (mutable consts, `compiler_options`, 0.10's
+  quantity-dependent types). Checked on 0.10.2, 0.11.2, 0.12.0.1.
   """
+  _install_kept_rule()
+
+  def traced(*args):
+    stack = _KEPT.__dict__.setdefault("tops", [])
+    stack.append(_core.trace_ctx.trace)
+    try:
+      return fn(*args)
+    finally:
+      stack.pop()
+
+  return traced
+
+
+_KEPT = threading.local()  # .tops: the traces whose jnp calls are kept, innermost last
+_KEPT_RULE: list = []  # the rule installed (once)
+
+
+def _install_kept_rule() -> None:
+  if _KEPT_RULE:
+    return
   from jax._src import pjit as _pjit  # noqa: PLC0415, PLC2701
   from jax._src.interpreters import partial_eval as _pe  # noqa: PLC0415, PLC2701
 
-  rules = _pe.custom_staging_rules
-  before = rules[_pjit.jit_p]
+  before = _pe.custom_staging_rules[_pjit.jit_p]
 
   def kept(trace, source_info, *args, **params):
-    consts = params["jaxpr"].consts
-    if params["compiler_options_kvs"] or any(isinstance(c, _core.Ref) for c in consts):
+    tops = getattr(_KEPT, "tops", None)
+    if not tops or trace is not tops[-1] or params["compiler_options_kvs"]:
+      return before(trace, source_info, *args, **params)
+    jaxpr = params["jaxpr"]
+    if any(isinstance(c, _core.Ref) for c in jaxpr.consts) or any(
+      getattr(v, "initial_qdd", None) for v in (*getattr(jaxpr, "constvars", ()), *getattr(jaxpr, "invars", ()))
+    ):
       return before(trace, source_info, *args, **params)
     return trace.default_process_primitive(_pjit.jit_p, args, params, source_info=source_info)
 
-  rules[_pjit.jit_p] = kept
-  try:
-    yield
-  finally:
-    rules[_pjit.jit_p] = before
+  _pe.custom_staging_rules[_pjit.jit_p] = kept
+  _KEPT_RULE.append(kept)

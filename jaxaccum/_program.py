@@ -165,14 +165,15 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), row_axis=None, entry: 
   try:
     with (
       _jax_private.arrays_typed_on(retype),
-      _jax_private.jnp_calls_kept(),
       jax.sharding.use_abstract_mesh(_EMPTY),
       jax.sharding.use_abstract_mesh(at),
     ):
       # The data axes bound, at their sizes in the step's mesh: a collective the model itself runs over one
       # (Flax's synchronized BatchNorm, a psum of a token count) means inside the map what it means in the
       # user's own shard_map, where they are bound the same way.
-      closed = jax.make_jaxpr(flat, axis_env=[(a, mesh.shape[a]) for a in data_axes])(*leaves)
+      closed = jax.make_jaxpr(_jax_private.jnp_calls_kept(flat), axis_env=[(a, mesh.shape[a]) for a in data_axes])(
+        *leaves
+      )
   except Exception as e:
     explained = explain_trace_error(e, mesh, data_axes, entry)
     if explained is None:

@@ -99,13 +99,13 @@ class TrainStep:
     self.batch_argnum = arg_names.index("batch")  # for ja.plan_microbatches' default candidates
     has_state = cfg.has_state
 
-    def fun(*args, given=None):
+    def fun(*args, given=None, state_replicated=False):
       params, state, opt_state, batch, key = args if has_state else (args[0], None, *args[1:])
-      out = _engine.step(cfg, given, params, state, opt_state, batch, key)
+      out = _engine.step(cfg, given, params, state, opt_state, batch, key, state_replicated=state_replicated)
       return out if has_state else (out[0], *out[2:])
 
     donate = tuple(range(3 if has_state else 2)) if cfg.donate else ()
-    self._jitted = jax.jit(fun, donate_argnums=donate, static_argnames=("given",))
+    self._jitted = jax.jit(fun, donate_argnums=donate, static_argnames=("given", "state_replicated"))
     functools.update_wrapper(self, cfg.loss_fn, assigned=("__doc__",), updated=())
 
   def _prepare(self, args, kwargs):
@@ -142,26 +142,43 @@ class TrainStep:
         named["params"] = jax.tree.unflatten(jax.tree.structure(params), leaves)
         given = tuple(sharded.given_spec(x, cfg.mesh) for x in leaves)
     args = tuple(named.get(n) for n in self._arg_names)
-    return args, given
+    replicated = cfg.mesh is not None and all(_replicated_on(x, cfg.mesh) for x in jax.tree.leaves(named["opt_state"]))
+    return args, {"given": given, "state_replicated": replicated}
 
   def __call__(self, *args, **kwargs):
-    args, given = self._prepare(args, kwargs)
-    return self._jitted(*args, given=given)
+    args, statics = self._prepare(args, kwargs)
+    return self._jitted(*args, **statics)
 
   def lower(self, *args, **kwargs):
-    args, given = self._prepare(args, kwargs)
-    return self._jitted.lower(*args, given=given)
+    args, statics = self._prepare(args, kwargs)
+    return self._jitted.lower(*args, **statics)
 
   def trace(self, *args, **kwargs):
-    args, given = self._prepare(args, kwargs)
-    return self._jitted.trace(*args, given=given)
+    args, statics = self._prepare(args, kwargs)
+    return self._jitted.trace(*args, **statics)
 
   def eval_shape(self, *args, **kwargs):
-    args, given = self._prepare(args, kwargs)
-    return self._jitted.eval_shape(*args, given=given)
+    args, statics = self._prepare(args, kwargs)
+    return self._jitted.eval_shape(*args, **statics)
 
   def __getattr__(self, name):
     return getattr(self._jitted, name)
+
+
+def _replicated_on(x, mesh) -> bool:
+  """Whether `x` (a leaf of the optimizer state) has no layout but a replicated one on `mesh`'s devices.
+
+  A host value or an uncommitted array has none of its own (jit lays it out as the computation wants); a
+  traced value (inside an outer jit) or an array laid out otherwise (sharded, on other devices) does.
+  """
+  if isinstance(x, jax.core.Tracer):
+    return False
+  if isinstance(x, jax.Array) and not x.committed:
+    return True
+  sharding = getattr(x, "sharding", None)  # an array's, a ShapeDtypeStruct's, or None (a host value)
+  if sharding is None:
+    return True
+  return bool(sharding.is_fully_replicated) and set(sharding.device_set) == set(mesh.devices.flat)
 
 
 def _check_opt_state(optimizer, params, opt_state) -> None:

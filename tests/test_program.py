@@ -20,6 +20,7 @@ import pytest
 import zoo.tp_layer as tp_layer
 from conftest import regression_data, remat_dense, smoke
 from flax import linen as nn
+from jax.extend import core as jex_core
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from zoo.annotated_models import _tp_init, _tp_loss
@@ -591,3 +592,31 @@ def test_jnp_calls_stay_shared_jaxprs_through_the_trace_and_the_localiser():
     # batch argument itself, typed as the rows are).
     assert len(by_name["matmul"]) <= 2 and len(by_name["tanh"]) <= 2, by_name
   assert [e.primitive.name for e in local.jaxpr.eqns] == [e.primitive.name for e in prog.closed.jaxpr.eqns]
+
+
+def test_keeping_jnp_calls_leaves_the_users_own_traces_as_jax_makes_them():
+  """Only the trace the loss runs in keeps its jnp calls: what jit's trace cache stores for a jnp function traced
+  during it (its body, with its own nested jnp calls) is what JAX stores anywhere, so the user's later traces of
+  the same functions at the same shapes inline everything, as JAX does; another thread tracing meanwhile too."""
+  import threading
+
+  from jaxaccum import _jax_private
+
+  x = jnp.ones((3, 7))
+  seen = {}
+
+  def loss(x):
+    other = threading.Thread(target=lambda: seen.update(other=jax.make_jaxpr(lambda y: jnp.mean(jnp.sin(y)))(x)))
+    other.start()
+    other.join()
+    return jnp.mean(jnp.tanh(x) @ x.T)
+
+  kept = jax.make_jaxpr(_jax_private.jnp_calls_kept(loss))(x)
+  names = [e.params["name"] for e in kept.jaxpr.eqns if e.primitive.name == "jit"]
+  assert "tanh" in names and "_mean" in names, kept
+  # Inside `_mean`'s body, its own nested call (`_reduce_sum`) was inlined, as JAX stages it everywhere.
+  mean = next(e for e in kept.jaxpr.eqns if e.primitive.name == "jit" and e.params["name"] == "_mean")
+  assert "jit" not in _program.primitives(jex_core.ClosedJaxpr(mean.params["jaxpr"].jaxpr, ()))
+  after = jax.make_jaxpr(lambda y: jnp.mean(jnp.tanh(y) @ y.T))(x)
+  assert "jit" not in _program.primitives(after), after
+  assert "jit" not in _program.primitives(seen["other"]), seen["other"]
