@@ -106,7 +106,8 @@ def chex_close(a, b):
   chex.assert_trees_all_close(jax.tree.map(np.asarray, a), jax.tree.map(np.asarray, b), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
+# Both slow (the default run's time): test_equals_shard_map_with_diloco["fsdp-topk"] keeps ja.TopK around fsdp there.
+@pytest.mark.parametrize("explicit", smoke([True, False], set()), ids=["explicit", "auto"])
 def test_topk_around_fsdp_gathering_per_microbatch_equals_shard_map_with_diloco(explicit, tmp_path):
   """Issue 38: ja.TopK around fsdp's default fsdp_gather="per_microbatch" aborted the process in XLA.
 
@@ -231,6 +232,7 @@ _SMOKE = [
 ]
 
 
+@pytest.mark.slow  # a subprocess of every option (16 s on jax 0.10): the default run's time
 def test_diloco_train_step_option_smoke_runs_in_a_subprocess():
   _run_combos(_SMOKE)
 
