@@ -468,6 +468,7 @@ def test_zoo_cell(model_name, entry):
   check_cell(model_name, entry)
 
 
+@pytest.mark.slow  # checks the references (JAX's own error), not jaxaccum: the zoo cells above run in the default set
 def test_syncing_models_need_their_axis_bound():
   """The not-applicable cells of the models that reduce over their data axis: JAX's own error, jaxaccum aside."""
   for model in (m for m in MODELS.values() if m.syncs is not None):
