@@ -11,8 +11,8 @@ import os
 # optimisation of the emitted kernels. The tests' models are tiny, so their run
 # time does not need it: LLVM at -O0 takes a quarter off the default run. HLO
 # passes (fusion, the all-reduce combiner, buffer assignment) are untouched, so
-# collective counts and memory_analysis() are what users get; numbers are still
-# IEEE (XLA:CPU does not use fast-math by default at any level).
+# collective counts and memory_analysis() are what users get. The level does not
+# turn fast-math on (XLA:CPU's default is off; the NaN and Inf tests would see it).
 for _FLAG in ("--xla_cpu_collective_call_terminate_timeout_seconds=600", "--xla_backend_optimization_level=0"):
   if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
