@@ -30,7 +30,7 @@ _RUNS: dict[str, subprocess.Popen] = {}
 
 
 def _start(name: str) -> None:
-  env = dict(os.environ, JAX_PLATFORMS="cpu")  # XLA_FLAGS from conftest (the collective timeout) pass on
+  env = dict(os.environ, JAX_PLATFORMS="cpu")  # XLA_FLAGS from conftest (collective timeout, -O0) pass on
   _RUNS[name] = subprocess.Popen(
     [sys.executable, str(ROOT / "examples" / f"{name}.py"), *EXAMPLES[name]],
     cwd=ROOT,
