@@ -20,6 +20,17 @@ for _FLAG in ("--xla_cpu_collective_call_terminate_timeout_seconds=600", "--xla_
   if _FLAG.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
 
+
+def xla_default_level_env() -> dict:
+  """os.environ for a subprocess that reproduces the bench: LLVM at XLA's default level, not the suite's -O0.
+
+  A float32 training run of hundreds of steps (the bench's held-out losses) ends a few 1e-3 apart at two
+  LLVM levels, as the last bits of each step differ; the bench's figures are computed at the default level.
+  """
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_backend_optimization_level")]
+  return dict(os.environ, XLA_FLAGS=" ".join(flags))
+
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

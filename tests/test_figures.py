@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import xla_default_level_env
 
 from jaxaccum.bench import figures
 
@@ -197,6 +198,7 @@ def _verify(level):
     capture_output=True,
     text=True,
     timeout=3600,
+    env=xla_default_level_env(),  # the figures were computed at XLA's default LLVM level (trained losses among them)
   )
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
