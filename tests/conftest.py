@@ -12,7 +12,7 @@ import os
 # time does not need it: LLVM at -O0 takes about a quarter off the default run on
 # jax 0.10 and a tenth on jax 0.12. Subprocesses inherit it (the demo, examples,
 # notebooks, quick bench), except the multi-process and fresh-process workers,
-# which start from a clean XLA_FLAGS. HLO
+# which start from a clean XLA_FLAGS, and the figures check (xla_default_level_env). HLO
 # passes (fusion, the all-reduce combiner, buffer assignment) are untouched, so
 # collective counts and memory_analysis() are what users get. The level does not
 # turn fast-math on (XLA:CPU's default is off; the NaN and Inf tests would see it).
