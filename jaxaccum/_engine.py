@@ -245,13 +245,18 @@ def _local(cfg: Config, flat, params, state, batch, key):
 
 def _global_total(ws, cfg: Config, axis):
   """W = sum of every device's weights, reduced before the loop (NaN if any weight is negative or not finite)."""
-  bad = jnp.sum(~_weight_ok(ws)).astype(ws.dtype)
   if cfg.weight_fn is None:  # every weight is 1: W = P K, no collective
-    devices = 1 if axis is None else int(np.prod([cfg.mesh.shape[a] for a in cfg.plan.batch_axes]))
-    return jnp.asarray(devices * cfg.k, ws.dtype)
+    return jnp.asarray(_unit_total(cfg, axis), ws.dtype)
+  bad = jnp.sum(~_weight_ok(ws)).astype(ws.dtype)
   local = (jnp.sum(jnp.where(_weight_ok(ws), ws, 0)), bad)
   total, bad = local if axis is None else lax.psum(local, axis)
   return jnp.where(bad == 0, total, jnp.full((), jnp.nan, ws.dtype))
+
+
+def _unit_total(cfg: Config, axis) -> int:
+  """W without a `weight_fn`: every weight is 1, so W = P K (P devices over the data axes)."""
+  devices = 1 if axis is None else int(np.prod([cfg.mesh.shape[a] for a in cfg.plan.batch_axes]))
+  return devices * cfg.k
 
 
 def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
@@ -283,6 +288,12 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
     splits = coll.splits(jax.tree.leaves(params))
     lw = layerwise(cfg.loss_fn, dims, coll.axis, coll.size, comm_dtype=cfg.comm_dtype, others=others, splits=splits)
 
+  # Without a weight_fn every share is the constant 1/W and never 0: each gradient leaf is scaled by that
+  # constant (fused into the accumulator's add), with no weight-0 select, which is one compare, select and
+  # broadcast per leaf that XLA would only fold away after tracing, lowering and partitioning them (compile
+  # time of deep models with listed layers).
+  unit = None if cfg.weight_fn is not None else 1.0 / _unit_total(cfg, axes[0] if len(axes) == 1 else axes or None)
+
   def run(mbs, i):
     rest = ((state,) if cfg.has_state else ()) + (mbs[0],) + (() if key is None else (jax.random.fold_in(key, i),))
     share = ws[i] / total
@@ -296,7 +307,10 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
         p, _ = lax.optimization_barrier((p, i))
         p = jax.tree.map(lambda x: sharded._vary(x, axes), coll.gather(p))
       value, g = _value_and_grad(grad_fn, cfg, (p, *rest))
-      leaves = [_weighted(x, share, _tree.accumulator_dtype(x.dtype)) for x in jax.tree.leaves(g)]
+      if unit is None:
+        leaves = [_weighted(x, share, _tree.accumulator_dtype(x.dtype)) for x in jax.tree.leaves(g)]
+      else:
+        leaves = [x.astype(_tree.accumulator_dtype(x.dtype)) * unit for x in jax.tree.leaves(g)]
       if lean:
         leaves = coll.scatter(leaves)  # each microbatch's share, reduce-scattered as soon as it exists
     if cfg.has_state:  # checked here, before the state's reductions are matched against it
