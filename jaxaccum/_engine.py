@@ -292,7 +292,7 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
   # constant (fused into the accumulator's add), with no weight-0 select, which is one compare, select and
   # broadcast per leaf that XLA would only fold away after tracing, lowering and partitioning them (compile
   # time of deep models with listed layers).
-  unit = None if cfg.weight_fn is not None else 1.0 / _unit_total(cfg, axes[0] if len(axes) == 1 else axes or None)
+  unit = None if cfg.weight_fn is not None else 1.0 / _unit_total(cfg, axes or None)
 
   def run(mbs, i):
     rest = ((state,) if cfg.has_state else ()) + (mbs[0],) + (() if key is None else (jax.random.fold_in(key, i),))
