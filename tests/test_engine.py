@@ -375,6 +375,29 @@ def test_ddp_on_a_data_only_auto_mesh_leaves_the_update_unconstrained_and_keeps_
   chex.assert_trees_all_close(jax.device_get(new_p), optax.apply_updates(params, updates), rtol=RTOL)
 
 
+def test_without_a_weight_fn_the_loop_adds_no_select_per_gradient_leaf():
+  """Without a weight_fn every share is the constant 1/W, never 0: the loop scales each gradient leaf by it with
+  no weight-0 select (one compare, select and broadcast per leaf for JAX to trace and lower and for XLA to
+  partition before folding them away: compile time of deep listed models, #39). The lowered step of a deeper
+  model has no more selects than a shallow one's; with a weight_fn the select is still there, per leaf."""
+  mesh = _mesh(AxisType.Auto)
+  opt = optax.adam(1e-2)
+  _, _, _, batch, _, _ = setup("weights", "none")
+  b = ja.shard_batch(batch, mesh)
+
+  def selects(depth, weight_fn=None):
+    params = mlp_init(jax.random.PRNGKey(0), (3,) + (8,) * depth + (2,))
+    p, s = ja.shard_train_state(params, opt, mesh, strategy="ddp")
+    step = ja.make_train_step(
+      masked_loss, opt, num_microbatches=K, mesh=mesh, strategy="ddp", donate=False, weight_fn=weight_fn
+    )
+    return step.lower(p, s, b).as_text().count("stablehlo.select")
+
+  assert selects(8) == selects(1), (selects(8), selects(1))
+  weighted = lambda mb: jnp.sum(mb["mask"])
+  assert selects(8, weighted) - selects(1, weighted) >= 2 * 7, "the weighted path's select per leaf is gone too?"
+
+
 def test_ddp_given_a_state_in_another_layout_returns_everything_in_its_own():
   """A state laid out otherwise (zero1's, split over "data": a checkpoint of another strategy) given to ddp on a
   data-only Auto mesh: the update's outputs are laid out as ddp's (replicated), not left to the partitioner,
