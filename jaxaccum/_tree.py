@@ -71,7 +71,7 @@ def nonfinite_probe(x) -> jax.Array:
   x = jnp.asarray(x)  # a Python scalar leaf too ({"w": 1.0} is a valid optax tree)
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros((), jnp.float32)
-  z = x * jnp.zeros((), x.dtype)
+  z = x - x  # not x * 0: XLA CSEs that broadcast zero with an accumulator's zero init, keeping it alive
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     z = z.real + z.imag
   return jnp.sum(z, dtype=jnp.float32)
