@@ -11,10 +11,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 from jaxaccum import _versions, schedules  # noqa: F401  (_versions warns once if this jax is outside the tested range)
+from jaxaccum._versions import UntestedJaxWarning
 from jaxaccum.accumulate import AccumulateState, accumulate, has_updated
 from jaxaccum.distributed import fail_fast
 from jaxaccum.hlo import collective_bytes, count_collectives
 from jaxaccum.lowcomm import TopK, diloco, local_sgd, stale
+from jaxaccum.memory import Buffer, MemoryBreakdown, memory_breakdown
 from jaxaccum.microbatch import microbatch, pad_microbatches
 from jaxaccum.noise import (
   AdaScaleState,
@@ -44,6 +46,9 @@ __all__ = [
   "pad_microbatches",
   "make_train_step",
   "plan_microbatches",
+  "memory_breakdown",
+  "MemoryBreakdown",
+  "Buffer",
   "shard_train_state",
   "pmean",
   "psum",
@@ -74,6 +79,7 @@ __all__ = [
   "micro_grad",
   "micro_vmap",
   "MicroGradAux",
+  "UntestedJaxWarning",
 ]
 
 __version__ = "0.1.0"

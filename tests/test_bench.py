@@ -140,19 +140,25 @@ def test_fit_models_llama_3_8b_from_shapes():
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
   assert sum(x.size for x in jax.tree.leaves(params)) == 8_030_261_248  # Llama 3 8B's count
   n = 4 * 8_030_261_248
-  ddp = fit._floor(fit.LLAMA3_8B, fit.CASES[0], n, 16)
-  fsdp = fit._floor(fit.LLAMA3_8B, fit.CASES[2], n, 16)
+  cases = {c.name: c for c in fit.CASES}
+  ddp = fit._floor(fit.LLAMA3_8B, cases["ddp"], n, 16)
+  fsdp = fit._floor(fit.LLAMA3_8B, cases["fsdp per_microbatch"], n, 16)
   assert ddp["state"] == 4 * n and fsdp["state"] < n // 2 + n // 10  # 4N/8 and one layer and its gradient
   assert ddp["saved_layer_inputs"] == 32 * 2 * 4096 * 4096 * 2  # 2 sequences of 4096 tokens per microbatch
+  # Gemma 2B (tied embedding): 2.51e9 parameters; every strategy is read against a plain step of its layout.
+  assert round(sum(x.size for x in jax.tree.leaves(fit.abstract_params(fit.GEMMA_2B))) / 1e7) == 251
+  plains = {c.name for c in fit.CASES if c.strategy == "plain"}
+  assert all(c.plain in plains for c in fit.CASES) and len(plains) == 3
 
 
-@pytest.mark.slow  # six compiles of the quick model (a minute)
+@pytest.mark.slow  # eight compiles of the quick model (a minute)
 def test_fit_section_quick_plans_the_smallest_k_that_fits():
   from jaxaccum.bench import fit
 
   (result,) = fit.run(quick=True)
   rows, plans = result["data"]["rows"], result["data"]["plans"]
-  assert {r["case"] for r in rows} == {"ddp", "fsdp per_microbatch", "hsdp (2 x 4)"}
+  assert {r["case"] for r in rows} == {fit.PLAIN_FSDP, "fsdp per_microbatch"}
+  assert all(r["plain_peak_bytes"] > 0 for r in rows)
   for key, plan in plans.items():
     case, budget = key.split("/")
     size = float(budget.split()[0]) * 2 ** (30 if budget.endswith("GiB") else 20)

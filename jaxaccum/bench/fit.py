@@ -66,9 +66,17 @@ class Shape(NamedTuple):
   vocab: int = 128256
   seq: int = 4096
   batch: int = 256  # sequences per update, over all devices
+  tied: bool = False  # the output head is the embedding's transpose (Gemma), not a parameter of its own
 
 
 LLAMA3_8B = Shape()
+# Gemma 2B's sizes (Flax's Gemma example): 18 layers of 2048, 8 query heads and 1 key/value head of 256, a
+# feed-forward of 16384, vocabulary 256128, tied embedding: 2.51e9 parameters. 128 sequences of 1024 tokens,
+# so that K = 16 divides the 16 rows of each of 8 devices. The layer is this module's (SwiGLU, not GeGLU:
+# the same shapes and bytes).
+GEMMA_2B = Shape(
+  layers=18, width=2048, heads=8, kv_heads=1, head_dim=256, ffw=16384, vocab=256128, seq=1024, batch=128, tied=True
+)
 QUICK = Shape(layers=2, width=256, heads=4, kv_heads=2, head_dim=64, ffw=512, vocab=1024, seq=128, batch=128)
 
 
@@ -90,7 +98,7 @@ def abstract_params(shape: Shape, dtype=jnp.float32) -> dict:
       "w_down": s(L, shape.ffw, d),
     },
     "final_norm": s(d),
-    "head": s(d, shape.vocab),
+    **({} if shape.tied else {"head": s(d, shape.vocab)}),
   }
 
 
@@ -135,7 +143,8 @@ def make_loss(shape: Shape, compute_dtype=jnp.bfloat16) -> Callable:
     x = params["embed"].astype(compute_dtype)[batch["inputs"]]
     x, _ = lax.scan(jax.checkpoint(layer), x, params["layers"])
     x = _rms_norm(x, params["final_norm"])
-    logits = (x @ params["head"].astype(compute_dtype)).astype(jnp.float32)
+    head = params["embed"].T if shape.tied else params["head"]
+    logits = (x @ head.astype(compute_dtype)).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1))
 
@@ -147,19 +156,58 @@ def make_loss(shape: Shape, compute_dtype=jnp.bfloat16) -> Callable:
 
 class Case(NamedTuple):
   name: str
-  strategy: str
+  strategy: str  # a make_train_step strategy, or "plain": the plain GSPMD step (`plain_step`) in `layout`'s layout
   gather: str | None  # fsdp_gather
   mesh_shape: tuple[int, ...]
   axes: Any  # data_axis
+  plain: str  # the name of the plain step this row is read against
 
 
+PLAIN_REPLICATED = "plain step, replicated"
+PLAIN_FSDP = "plain step, fsdp layout"
+PLAIN_HSDP = "plain step, hsdp layout"
 CASES = (
-  Case("ddp", "ddp", None, (8,), "data"),
-  Case("zero1", "zero1", None, (8,), "data"),
-  Case("fsdp per_microbatch", "fsdp", "per_microbatch", (8,), "data"),
-  Case("fsdp once", "fsdp", "once", (8,), "data"),
-  Case("hsdp (2 x 4)", "hsdp", "per_microbatch", (2, 4), ("replica", "data")),
+  Case(PLAIN_REPLICATED, "plain", "ddp", (8,), "data", PLAIN_REPLICATED),
+  Case("ddp", "ddp", None, (8,), "data", PLAIN_REPLICATED),
+  Case("zero1", "zero1", None, (8,), "data", PLAIN_REPLICATED),
+  Case(PLAIN_FSDP, "plain", "fsdp", (8,), "data", PLAIN_FSDP),
+  Case("fsdp per_microbatch", "fsdp", "per_microbatch", (8,), "data", PLAIN_FSDP),
+  Case("fsdp once", "fsdp", "once", (8,), "data", PLAIN_FSDP),
+  Case(PLAIN_HSDP, "plain", "hsdp", (2, 4), ("replica", "data"), PLAIN_HSDP),
+  Case("hsdp (2 x 4)", "hsdp", "per_microbatch", (2, 4), ("replica", "data"), PLAIN_HSDP),
 )
+
+
+def plain_step(loss: Callable, optimizer, k: int, params, opt_state):
+  """The step a user writes without jaxaccum: `jax.jit` + `lax.scan` over K microbatches, GSPMD partitions it.
+
+  Parameters and optimizer state keep the layout they are given (their
+  shardings, donated); microbatch i takes rows i, i+K, ... (each device keeps
+  its rows), the float32 accumulator is constrained to each parameter's
+  layout, and the optimizer runs on the mean gradient. No skip: every update
+  applies. `params`, `opt_state`: placed arrays or `jax.ShapeDtypeStruct`s with
+  shardings (`ja.shard_train_state`).
+  """
+  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+  param_sh = shardings(params)
+
+  def step(params, opt_state, batch):
+    mbs = jax.tree.map(lambda v: jnp.moveaxis(v.reshape((v.shape[0] // k, k) + v.shape[1:]), 1, 0), batch)
+
+    def body(carry, mb):
+      acc, total = carry
+      value, g = jax.value_and_grad(loss)(params, mb)
+      return (jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g), total + value), None
+
+    zeros = jax.tree.map(
+      lambda x, sh: lax.with_sharding_constraint(jnp.zeros(x.shape, jnp.float32), sh), params, param_sh
+    )
+    (acc, total), _ = lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), mbs)
+    grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, total / k
+
+  return jax.jit(step, donate_argnums=(0, 1), out_shardings=(param_sh, shardings(opt_state), None))
 
 
 def _mesh(case: Case):
@@ -191,13 +239,16 @@ def _floor(shape: Shape, case: Case, params_bytes: int, k: int) -> dict[str, int
   """
   n = params_bytes
   layer = sum(int(np.prod(x.shape[1:])) * 4 for x in jax.tree.leaves(abstract_params(shape)["layers"]))
-  p = 4 if case.strategy == "hsdp" else 8
+  # A plain step holds what the strategy of its layout holds (GSPMD gathers a layer where it is used).
+  strategy = str(case.gather) if case.strategy == "plain" else case.strategy
+  gather = "per_microbatch" if case.strategy == "plain" else case.gather
+  p = 4 if strategy == "hsdp" else 8
   state = {
     "ddp": 4 * n,
     "zero1": 2 * n + 2 * n // p,
-    "fsdp": 4 * n // p + 2 * layer if case.gather == "per_microbatch" else 2 * n + 3 * n // p,
+    "fsdp": 4 * n // p + 2 * layer if gather == "per_microbatch" else 2 * n + 3 * n // p,
     "hsdp": 4 * n // p + 2 * layer,
-  }[case.strategy]
+  }[strategy]
   rows = shape.batch // 8 // k
   tokens = rows * shape.seq
   return {
@@ -231,34 +282,53 @@ def _axis_bytes(compiled, mesh) -> dict[str, float]:
   return out
 
 
+def _compile_case(case: Case, loss, opt, k: int, p, s, batch):
+  if case.strategy == "plain":
+    return plain_step(loss, opt, k, p, s).lower(p, s, batch)
+  options: dict[str, Any] = {} if case.gather is None else {"fsdp_gather": case.gather}
+  step = ja.make_train_step(
+    loss, opt, num_microbatches=k, mesh=p_mesh(p), strategy=case.strategy, data_axis=case.axes, **options
+  )
+  return step.lower(p, s, batch)
+
+
+def p_mesh(params):
+  """The mesh the (abstract) parameters are laid out on."""
+  return jax.tree.leaves(params)[0].sharding.mesh
+
+
+def case_inputs(shape: Shape, case: Case, opt):
+  """(params, opt_state, batch) of `case` as `jax.ShapeDtypeStruct`s with shardings: nothing allocated."""
+  mesh = _mesh(case)
+  layout = str(case.gather) if case.strategy == "plain" else case.strategy
+  p, s = ja.shard_train_state(abstract_params(shape), opt, mesh, strategy=layout, data_axis=case.axes)
+  rows_sh = NamedSharding(mesh, PartitionSpec(case.axes))
+  tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32, sharding=rows_sh)
+  return p, s, {"inputs": tokens, "targets": tokens}
+
+
 def fit_table(shape: Shape = LLAMA3_8B, ks=(1, 4, 16), budgets=(80 * GiB, 16 * GiB), cases=CASES) -> dict:
   """Every case at every K, compiled from shapes: rows and plans (see the module docstring)."""
-  opt = optax.adam(3e-4)
+  opt = optax.adamw(3e-4)
   loss = make_loss(shape)
   params = abstract_params(shape)
   n = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
   rows: list[dict] = []
   plans: dict[tuple[str, int], dict[str, Any]] = {}
   for case in cases:
-    mesh = _mesh(case)
-    p, s = ja.shard_train_state(params, opt, mesh, strategy=case.strategy, data_axis=case.axes)
-    rows_sh = NamedSharding(mesh, PartitionSpec(case.axes))
-    tokens = jax.ShapeDtypeStruct((shape.batch, shape.seq), jnp.int32, sharding=rows_sh)
-    batch = {"inputs": tokens, "targets": tokens}
-    options = {} if case.gather is None else {"fsdp_gather": case.gather}
+    p, s, batch = case_inputs(shape, case, opt)
+    mesh = p_mesh(p)
     compiled = {}
     for k in ks:
-      step = ja.make_train_step(
-        loss, opt, num_microbatches=k, mesh=mesh, strategy=case.strategy, data_axis=case.axes, **options
-      )
       start = time.perf_counter()
-      compiled[k] = step.lower(p, s, batch).compile()
+      compiled[k] = _compile_case(case, loss, opt, k, p, s, batch).compile()
       seconds = time.perf_counter() - start
       m = compiled[k].memory_analysis()
       floor = _floor(shape, case, n, k)
       rows.append(
         {
           "case": case.name,
+          "plain": case.plain,
           "K": k,
           "peak_bytes": compiled_memory_bytes(compiled[k]),
           "argument_bytes": int(m.argument_size_in_bytes),
@@ -281,6 +351,9 @@ def fit_table(shape: Shape = LLAMA3_8B, ks=(1, 4, 16), budgets=(80 * GiB, 16 * G
         plans[case.name, budget] = {"K": int(plan), "bytes": plan.memory_bytes}
       except ValueError:
         plans[case.name, budget] = {"K": None, "bytes": min(r["peak_bytes"] for r in rows if r["case"] == case.name)}
+  plain = {(r["case"], r["K"]): r["peak_bytes"] for r in rows if r["case"] == r["plain"]}
+  for r in rows:
+    r["plain_peak_bytes"] = plain.get((r["plain"], r["K"]))
   return {"param_bytes": n, "params": sum(x.size for x in jax.tree.leaves(params)), "rows": rows, "plans": plans}
 
 
@@ -293,57 +366,123 @@ def _plan_cell(plan: dict) -> str:
   return f"K={plan['K']}" if plan["K"] is not None else "none fits"
 
 
-def run(quick: bool = False) -> list[dict]:
-  shape, budgets = LLAMA3_8B, (80 * GiB, 16 * GiB)
-  ks: tuple[int, ...] = (1, 4, 16)
-  cases: tuple[Case, ...] = CASES
-  if quick:  # a few MiB, three strategies, two Ks (the bench test's smoke run)
-    shape, ks, cases, budgets = QUICK, (1, 4), CASES[::2], (64 * 2**20, 8 * 2**20)
-  start = time.perf_counter()
-  got = fit_table(shape, ks=ks, budgets=budgets, cases=cases)
-  seconds = time.perf_counter() - start
+def _table(shape: Shape, got: dict, ks, budgets, title: str, quick: bool) -> dict:
   n = got["param_bytes"]
   unit, size = _unit(n)
   _gib = lambda x: f"{x / size:.1f}"
   label = lambda b: f"{b / GiB:g} GiB" if b >= GiB else f"{b / 2**20:g} MiB"
   lines = [
-    f"{'Quick model' if quick else 'Llama-3-8B shape'}: {shape.layers} layers of width {shape.width}, "
-    f"{shape.heads} query heads and {shape.kv_heads} key/value heads of {shape.head_dim}, feed-forward "
-    f"{shape.ffw}, vocabulary {shape.vocab}: {got['params'] / 1e9:.3g}e9 parameters, N = {_gib(n)} {unit} in "
-    f"float32 (adam's state float32 too; the forward pass in bfloat16, layers scanned and rematerialised). "
+    f"{shape.layers} layers of width {shape.width}, {shape.heads} query heads and {shape.kv_heads} key/value "
+    f"heads of {shape.head_dim}, feed-forward {shape.ffw}, vocabulary {shape.vocab}"
+    f"{' (tied embedding)' if shape.tied else ''}: {got['params'] / 1e9:.3g}e9 parameters, N = {_gib(n)} {unit} "
+    "in float32 (adamw's state float32 too; the forward pass in bfloat16, layers scanned and rematerialised). "
     f"Global batch {shape.batch} sequences of {shape.seq} tokens, 8 devices; K microbatches of "
     f"{shape.batch // 8}/K sequences per device. Compiled on CPU from `jax.ShapeDtypeStruct`s "
     "(nothing allocated; the section's wall time is in its JSON, `data.seconds`). Peak: XLA's argument + output "
-    "- alias + "
-    f"temp per device, {unit}, params and state donated. Floor: the layout's state + one microbatch's saved layer "
-    "inputs, its float32 logits and their gradient, and one layer's float32 attention scores (see the guide). "
-    "Wire: ring bytes one device sends per update "
-    f"over each mesh axis (`ja.collective_bytes(by_axis=True)`), {unit}. Plan: `ja.plan_microbatches` over K in "
-    f"{ks}.",
+    f"- alias + temp per device, {unit}, params and state donated. **vs plain**: the peak against the plain "
+    "GSPMD step (`jax.jit` + `lax.scan` over the same K microbatches, no skip) in the layout named: ddp and "
+    "zero1 against the replicated one, fsdp against the fsdp layout, hsdp against the hsdp layout. Floor: the "
+    "layout's state + one microbatch's saved layer inputs, its float32 logits and their gradient, and one layer's "
+    "float32 attention scores (see the guide). Wire: ring bytes one device sends per update over each mesh axis "
+    f"(`ja.collective_bytes(by_axis=True)`), {unit}. Plan: `ja.plan_microbatches` over K in {tuple(ks)}.",
     "",
-    f"| strategy | K | peak ({unit}) | floor ({unit}) | peak / floor | data axis ({unit}) | replica axis ({unit}) "
-    f"| plan, {label(budgets[0])} | plan, {label(budgets[1])} |",
-    "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    f"| strategy | K | peak ({unit}) | vs plain | floor ({unit}) | peak / floor | data axis ({unit}) "
+    f"| replica axis ({unit}) | plan, {label(budgets[0])} | plan, {label(budgets[1])} |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
   ]
   for r in got["rows"]:
     ax = r["axis_bytes"]
     other = {a: b for a, b in ax.items() if a not in ("data", "replica")}
     replica = ax.get("replica", 0.0) + sum(other.values())  # hsdp's all-reduce over the replicas (and both axes)
-    first = r["K"] == 1
+    first = r["K"] == ks[0]
     plan = lambda b, r=r: _plan_cell(got["plans"][r["case"], b]) if first else ""
+    vs = "-" if r["case"] == r["plain"] else f"{r['peak_bytes'] / r['plain_peak_bytes']:.2f}"
+    hsdp_layout = r["case"].startswith("hsdp") or r["case"] == PLAIN_HSDP
     lines.append(
-      f"| {r['case']} | {r['K']} | {_gib(r['peak_bytes'])} | {_gib(r['floor_bytes'])} "
+      f"| {r['case']} | {r['K']} | {_gib(r['peak_bytes'])} | {vs} | {_gib(r['floor_bytes'])} "
       f"| {r['peak_bytes'] / r['floor_bytes']:.2f} | {_gib(ax.get('data', 0.0))} "
-      f"| {_gib(replica) if r['case'].startswith('hsdp') else '-'} | {plan(budgets[0])} | {plan(budgets[1])} |"
+      f"| {_gib(replica) if hsdp_layout else '-'} | {plan(budgets[0])} | {plan(budgets[1])} |"
     )
   data = {
     "shape": shape._asdict(),
     "param_bytes": n,
     "params": got["params"],
-    "seconds": round(seconds, 1),
     "rows": got["rows"],
     "plans": {f"{case}/{label(b)}": v for (case, b), v in got["plans"].items()},
   }
-  return [
-    {"title": "fit: will a Llama-3-8B-shaped model fit on 8 devices?", "markdown": "\n".join(lines), "data": data}
+  return {"title": title, "markdown": "\n".join(lines), "data": data}
+
+
+BREAKDOWN_CASES = (CASES[3], CASES[4], CASES[1], CASES[0])  # plain fsdp layout, fsdp per_microbatch, ddp, plain
+
+
+def breakdown_table(shape: Shape = GEMMA_2B, ks=(1, 16), cases=BREAKDOWN_CASES) -> list[dict]:
+  """Where the bytes go at the compiled peak (`ja.memory_breakdown`): per kind, and the largest buffers."""
+  opt = optax.adamw(3e-4)
+  loss = make_loss(shape)
+  out = []
+  for k in ks:
+    for case in cases:
+      p, s, batch = case_inputs(shape, case, opt)
+      got = ja.memory_breakdown(_compile_case(case, loss, opt, k, p, s, batch))
+      top = [
+        {"bytes": b.bytes, "kind": b.kind, "shape": b.shape.split("{")[0], "op": _short_op(b.op_name or b.name)}
+        for b in got.buffers[:4]
+      ]
+      out.append({"case": case.name, "K": k, "peak_bytes": got.peak_bytes, "by_kind": got.by_kind(), "top": top})
+  return out
+
+
+def _short_op(op_name: str) -> str:
+  """The tail of a JAX op name that says what made a buffer (`transpose(jvp(jit(log_softmax)))/reduce_sum`)."""
+  parts = [p for p in op_name.split("/") if p not in ("eval_jaxpr", "shard_map", "while", "body")]
+  return "/".join(parts[-2:]) if len(parts) > 1 else op_name
+
+
+def _breakdown_markdown(shape: Shape, rows: list[dict]) -> str:
+  kinds = ("argument", "gathered", "collective", "loop state", "temporary")
+  lines = [
+    "Gemma-2B shape as above, adamw. The buffers alive at the peak of XLA:CPU's schedule "
+    "(`ja.memory_breakdown`: XLA's live-range report, named by the JAX operation that made each buffer), GiB per "
+    "device, by kind, and the two largest buffers. This peak is the schedule's; `memory_analysis()`'s total (the "
+    "table above) is the preallocated block, which also holds what the allocator could not pack.",
+    "",
+    "| case | K | peak at schedule (GiB) | " + " | ".join(kinds) + " | largest buffers |",
+    "|---|---:|---:|" + "---:|" * len(kinds) + "---|",
   ]
+  for r in rows:
+    cells = [f"{r['by_kind'].get(k, 0) / GiB:.1f}" for k in kinds]
+    top = "; ".join(f"{t['shape']} {t['bytes'] / GiB:.1f} ({t['op']})" for t in r["top"][:2])
+    lines.append(f"| {r['case']} | {r['K']} | {r['peak_bytes'] / GiB:.1f} | " + " | ".join(cells) + f" | {top} |")
+  return "\n".join(lines)
+
+
+def run(quick: bool = False) -> list[dict]:
+  budgets = (80 * GiB, 16 * GiB)
+  ks: tuple[int, ...] = (1, 4, 16)
+  shapes: tuple[tuple[Shape, str], ...] = (
+    (LLAMA3_8B, "fit: will a Llama-3-8B-shaped model fit on 8 devices?"),
+    (GEMMA_2B, "fit: will a Gemma-2B-shaped model fit on 8 devices?"),
+  )
+  cases: tuple[Case, ...] = CASES
+  if quick:  # a few MiB, two Ks (the bench test's smoke run)
+    shapes, ks, budgets = ((QUICK, "fit: quick model"),), (1, 4), (64 * 2**20, 8 * 2**20)
+    cases = tuple(c for c in CASES if c.plain == PLAIN_FSDP and c.gather != "once")  # the plain step and fsdp
+  out = []
+  for shape, title in shapes:
+    start = time.perf_counter()
+    got = fit_table(shape, ks=ks, budgets=budgets, cases=cases)
+    result = _table(shape, got, ks, budgets, title, quick)
+    result["data"]["seconds"] = round(time.perf_counter() - start, 1)
+    out.append(result)
+  if not quick:
+    start = time.perf_counter()
+    rows = breakdown_table()
+    out.append(
+      {
+        "title": "fit: where the bytes go (Gemma-2B shape)",
+        "markdown": _breakdown_markdown(GEMMA_2B, rows),
+        "data": {"rows": rows, "seconds": round(time.perf_counter() - start, 1)},
+      }
+    )
+  return out
