@@ -141,3 +141,16 @@ def test_a_quick_run_against_a_full_store_is_refused_by_name(tmp_path, capsys):
   # Another jax version is compared, with a warning (deterministic figures are per jax/XLA).
   assert reproduce.main([_report(tmp_path / "jax.json", [a], jax="0.11.0"), "--store", store]) == 0
   assert "warning: t/a: jax None printed, 0.11.0 rerun" in capsys.readouterr().out
+
+
+def test_without_a_store_beside_the_package_it_says_to_pass_store(tmp_path, capsys, monkeypatch):
+  """From an installed wheel (no docs/ beside the package) the default store is missing: the error names --store."""
+  from jaxaccum.bench import figures
+
+  monkeypatch.setattr(figures, "ROOT", tmp_path / "site-packages")  # where an installed package's ROOT points
+  run = tmp_path / "run.json"
+  run.write_text(json.dumps({"header": {}, "sections": []}))
+  assert reproduce.main([str(run)]) == reproduce.UNREADABLE
+  err = capsys.readouterr().err
+  assert "no figures store at" in err and "--store PATH/docs/bench_results.json" in err, err
+  assert err.count("\n") == 1  # one line

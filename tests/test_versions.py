@@ -88,3 +88,19 @@ def test_private_jax_names_live_in_one_module():
     if re.search(r"\bjax\._src\b|from jax\._src|import jax\._src", p.read_text())
   )
   assert users == ["jaxaccum/_jax_private.py"], users
+
+
+def test_untested_jax_warning_is_public_and_filterable_by_category():
+  """`jaxaccum.UntestedJaxWarning` (named in the README) is the class the import warns with: a filter can name it."""
+  import warnings
+
+  import jaxaccum
+  from jaxaccum import _versions
+
+  assert jaxaccum.UntestedJaxWarning is _versions.UntestedJaxWarning
+  assert "UntestedJaxWarning" in jaxaccum.__all__
+  with warnings.catch_warnings(record=True) as got:
+    warnings.simplefilter("always")
+    warnings.filterwarnings("ignore", category=jaxaccum.UntestedJaxWarning)
+    warnings.warn("outside the range", jaxaccum.UntestedJaxWarning, stacklevel=1)
+  assert got == []

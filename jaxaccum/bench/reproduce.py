@@ -191,8 +191,23 @@ def _error(message: str, code: int) -> int:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jaxaccum.bench.reproduce", description=__doc__.split("\n\n")[0])
   parser.add_argument("run", help="a second run: `python -m jaxaccum.bench --json RUN.json`")
-  parser.add_argument("--store", default=str(figures.ROOT / figures.STORE), help="what the docs print (the store)")
+  parser.add_argument(
+    "--store",
+    default=None,
+    help="what the docs print (the store): docs/bench_results.json of a jaxaccum checkout; "
+    "the default is the one beside this package's source tree",
+  )
   args = parser.parse_args(argv)
+  if args.store is None:
+    args.store = str(figures.ROOT / figures.STORE)
+    if not pathlib.Path(args.store).is_file():
+      # An installed wheel ships the package, not the docs: there is no store beside it.
+      return _error(
+        f"no figures store at {args.store!r}: the store (docs/bench_results.json) is part of a jaxaccum "
+        "source checkout, not of the installed package; pass it as --store PATH/docs/bench_results.json "
+        "(git clone the release you installed, or download that file from it)",
+        UNREADABLE,
+      )
   try:
     printed, rerun = _load(args.store, "store"), _load(args.run, "run")
   except ReportError as e:
