@@ -79,6 +79,8 @@ class Config(NamedTuple):
   mesh: Any  # None: one device
   plan: Any  # sharded._Plan, None without a mesh
   donate: bool  # params, opt_state (and state) buffers given to the outputs
+  # the guarantee: a non-finite mean gradient applies nothing (False: no check, as a plain step)
+  skip_nonfinite: bool = True
   always_apply: bool = False  # private: no skip, the update always applies (the twin memory is measured against)
   # private (ja.diloco_train_step): the optimizer runs on every call and gates its own update with
   # `inner_applied=applied`, so its schedule and collectives run on replicas that skip too
@@ -689,7 +691,14 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out, *, state
   total = out.pop("total_weight")
   grads = jax.tree.map(lambda g, p: g.astype(_tree.dtype_of(p)), grads, params)  # as plain optax would see them
   # NaN (an invalid weight) compares False too; a non-finite mean gradient never reaches the parameters.
-  applied = (total > 0) & (_tree.all_finite(grads) if layouts is None else _finite(grads, layouts, mesh))
+  applied = total > 0
+  if cfg.skip_nonfinite:
+    applied = applied & (_tree.all_finite(grads) if layouts is None else _finite(grads, layouts, mesh))
+  # Without the finite check and without a weight_fn, W = P K > 0 is a constant: nothing can skip the update,
+  # so it runs unconditionally, as in a plain step (no conditional, no branch to keep the old values).
+  unconditional = cfg.always_apply or (
+    not cfg.skip_nonfinite and cfg.weight_fn is None and not cfg.optimizer_gates_itself
+  )
   to_piece, specs, pinned = (lambda tree: tree), None, layouts is not None
   if layouts is not None:
     # Nothing to lay out at the outputs where every axis that splits anything is a data axis, every layout is
@@ -734,7 +743,7 @@ def _update(cfg: Config, layouts, params, state, opt_state, grads, out, *, state
     return to_piece(ops[0]), ops[1], ops[2]
 
   ops = (params, opt_state, state, new_state)
-  if cfg.always_apply:  # the bench's and tests' twin: the same step with no skip, for its memory
+  if unconditional:  # skip_nonfinite=False with constant weights, or the twin the memory is measured against
     new_piece, new_opt, new_state = update(ops)
   elif cfg.optimizer_gates_itself:
     # ja.diloco over a replica axis: `applied` differs across replicas, and a replica that left the

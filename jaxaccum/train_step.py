@@ -215,6 +215,7 @@ def make_train_step(
   noise_scale: bool = False,
   noise_scale_sample: int | None = None,
   skip_empty: bool = False,
+  skip_nonfinite: bool = True,
 ):
   r"""Returns a jitted `step(params, opt_state, batch, key=None) -> (params, opt_state, metrics)`.
 
@@ -361,6 +362,18 @@ def make_train_step(
       `weight_fn`. Under fsdp's per-microbatch gather (collectives in the
       loop body) a slot is skipped only where every device's microbatch is
       empty.
+    skip_nonfinite: the guarantee that a non-finite mean gradient never
+      reaches the parameters (default True): the step checks the reduced
+      gradient (one 4-byte all-reduce, one reduction per leaf) and applies
+      nothing when it holds a NaN or an Inf (`metrics["applied"]` False).
+      False turns the check off, as optax's `apply_if_finite` is opt-in and a
+      plain step has none: the step then costs what the plain step costs
+      (no check, and without a `weight_fn` no conditional around the update),
+      and a NaN or Inf gradient reaches the optimizer and the parameters, as
+      in plain JAX. A step whose total weight is 0 or invalid (with a
+      `weight_fn`) still applies nothing. `ja.accumulate`'s `skip_nonfinite`
+      is the same guarantee per microbatch, opt-in there (it drops a
+      non-finite microbatch from the window rather than the whole update).
 
   Returns:
     A `jax.jit`-wrapped step (`.lower(...)` works). `metrics` holds
@@ -382,6 +395,7 @@ def make_train_step(
     ("has_state", has_state),
     ("grad_norms", grad_norms),
     ("noise_scale", noise_scale),
+    ("skip_nonfinite", skip_nonfinite),
   ):
     if not isinstance(value, bool):
       raise TypeError(f"{name}={value!r} must be a bool")
@@ -440,6 +454,7 @@ def make_train_step(
     mesh=mesh,
     plan=plan,
     donate=donate,
+    skip_nonfinite=skip_nonfinite,
   )
   names = ("params", "state", "opt_state", "batch", "key") if has_state else ("params", "opt_state", "batch", "key")
   return TrainStep(cfg, names, hint)

@@ -853,3 +853,57 @@ def test_layerwise_fsdp_runs_model_code_exactly_or_falls_back_and_says_so(loss):
       "fsdp", dict(num_microbatches=K, donate=False, strategy="fsdp"), mesh, "data", 4, loss, params, batch, opt
     )
   assert set(_layerwise.fallbacks()) == ({"shard_map"} if loss is tensor_parallel_loss else set())
+
+
+def _plain_mse(params, batch):
+  return jnp.mean(jnp.sum((mlp_apply(params, batch["x"]) - batch["y"]) ** 2, axis=-1))
+
+
+@pytest.mark.parametrize("strategy", smoke(STRATEGIES, {"none", "fsdp"}))
+def test_skip_nonfinite_false_applies_what_plain_optax_applies(strategy):
+  """With the guarantee off the step is the plain step: exact on a finite batch, and a NaN reaches the parameters.
+
+  It is then held to the plain step with no allowance: no conditional around the update (no weight_fn), and
+  under fsdp one all-reduce fewer (the 4-byte finite check's).
+  """
+  kwargs, mesh, axis, batch, _, _ = setup("plain", strategy)
+  batch = {"x": batch["x"], "y": batch["y"]}
+  opt = optax.adam(1e-2)
+  params = mlp_init(jax.random.PRNGKey(0), SIZES)
+  place = (lambda t: t) if mesh is None else (lambda t: ja.shard_batch(t, mesh, axis))
+  fresh = lambda: (
+    (params, opt.init(params))
+    if mesh is None
+    else ja.shard_train_state(params, opt, mesh, strategy=kwargs["strategy"], data_axis=axis)
+  )
+  on = ja.make_train_step(_plain_mse, opt, mesh=mesh, data_axis=axis, **kwargs)
+  off = ja.make_train_step(_plain_mse, opt, mesh=mesh, data_axis=axis, skip_nonfinite=False, **kwargs)
+
+  def plain(batch):
+    updates, _ = opt.update(jax.grad(_plain_mse)(params, batch), opt.init(params), params)
+    return optax.apply_updates(params, updates)
+
+  new, _, metrics = off(*fresh(), place(batch))
+  chex.assert_trees_all_close(jax.device_get(new), plain(batch), rtol=RTOL, atol=1e-15)
+  assert bool(metrics["applied"])
+  poisoned = dict(batch, x=batch["x"].at[3, 1].set(jnp.nan))
+  new, _, metrics = off(*fresh(), place(poisoned))
+  want = plain(poisoned)
+  got = jax.device_get(new)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(w))  # NaN where plain optax puts NaN
+  assert any(np.isnan(g).any() for g in jax.tree.leaves(got))
+  new, _, metrics = on(*fresh(), place(poisoned))  # the default still keeps it out
+  assert not bool(metrics["applied"])
+  chex.assert_trees_all_close(jax.device_get(new), params, rtol=0, atol=0)
+
+  compiled_off = off.lower(*fresh(), place(batch)).compile()
+  assert "conditional(" not in compiled_off.as_text()
+  if strategy == "fsdp":
+    count = lambda c: ja.count_collectives(c).get("all-reduce", 0)
+    assert count(compiled_off) == count(on.lower(*fresh(), place(batch)).compile()) - 1
+
+
+def test_skip_nonfinite_must_be_a_bool():
+  with pytest.raises(TypeError, match=r"skip_nonfinite='yes' must be a bool"):
+    ja.make_train_step(_plain_mse, optax.sgd(0.1), skip_nonfinite="yes")

@@ -527,3 +527,22 @@ def test_fsdp_inside_each_replica_keeps_its_buffers_sharded(strategy):
       assert leaf.sharding.spec[:2] == ("replica", shard_axis), leaf.sharding
       assert leaf.addressable_shards[0].data.shape == (1, d // shards, d)
     p, s, _ = dstep(p, s, batch)
+
+
+def test_skip_nonfinite_false_carries_through_diloco():
+  """A step built with skip_nonfinite=False keeps it under ja.diloco_train_step: exact, and a NaN is not dropped."""
+  params, batch = _setup()
+  outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+  inner = optax.adam(0.05)
+  mesh = _mesh(explicit=True)
+  step = ja.make_train_step(mse_loss, inner, mesh=mesh, strategy="ddp", donate=False, skip_nonfinite=False)
+  dstep = ja.diloco_train_step(step, outer, sync_every=2)
+  want = _reference(ja.diloco(inner, outer, 2, axis_name="r"), params, _per_replica(batch), 3)
+  p, s = dstep.init(params)
+  for t in range(3):
+    p, s, metrics = dstep(p, s, batch)
+    assert bool(np.all(metrics["applied"]))
+    chex_close(p, want[t][0])
+  x, y = batch
+  p, s, metrics = dstep(p, s, (x.at[0, 0].set(np.nan), y))  # replica 0's rows: its inner step takes the NaN
+  assert bool(np.all(metrics["applied"])) and np.isnan(np.asarray(jax.tree.leaves(p)[0])[0]).any()

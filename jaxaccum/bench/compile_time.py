@@ -15,7 +15,7 @@ nothing is allocated. Steps:
   replicated parameters and state (the baseline of the ddp row);
 - plain + skip: the same plain steps with the guarantee every jaxaccum step
   gives, written by hand: the update runs in a `lax.cond` on every gradient
-  being finite (checked as jaxaccum checks it: one reduction of `x * 0` per
+  being finite (checked as jaxaccum checks it: one reduction of `x - x` per
   leaf), else parameters and state are kept. What that guarantee costs on its
   own, beside the plain step;
 - jaxaccum: `ja.make_train_step(strategy="ddp")`, `strategy="fsdp"` with
@@ -54,10 +54,19 @@ STEPS = (
   "ddp",
   "fsdp per_microbatch",
   "fsdp once",
+  "ddp, no check",
+  "fsdp per_microbatch, no check",
 )
 # Each jaxaccum step against its plain baseline (the target's), and against that baseline with the skip.
-BASELINE = {"ddp": "plain replicated", "fsdp per_microbatch": "plain fsdp layout", "fsdp once": "plain fsdp layout"}
-WITH_SKIP = {n: f"{base} + skip" for n, base in BASELINE.items()}
+# "no check": make_train_step(..., skip_nonfinite=False), held to the plain step with no allowance.
+BASELINE = {
+  "ddp": "plain replicated",
+  "fsdp per_microbatch": "plain fsdp layout",
+  "fsdp once": "plain fsdp layout",
+  "ddp, no check": "plain replicated",
+  "fsdp per_microbatch, no check": "plain fsdp layout",
+}
+WITH_SKIP = {n: f"{base} + skip" for n, base in BASELINE.items() if not n.endswith("no check")}
 TARGET = {"listed": 1.25, "scanned": 1.05}
 
 
@@ -113,7 +122,7 @@ def make_loss(kind: str) -> Callable:
 def _plain_step(loss: Callable, opt, k: int, *, skip: bool = False) -> Callable:
   """The plain step; `skip=True`: its update in a `lax.cond` on every gradient being finite.
 
-  The check is written as jaxaccum's own (`_tree.all_finite`, inlined here: one reduction of `x * 0` per leaf,
+  The check is written as jaxaccum's own (`_tree.all_finite`, inlined here: one reduction of `x - x` per leaf,
   0 or NaN), so that the reference rows cost what the guarantee costs and the ratio against them is what the
   rest of jaxaccum's step costs. `optax.apply_if_finite`'s `all(isfinite(x))` is two to three XLA:CPU kernels
   per leaf: dearer.
@@ -136,7 +145,7 @@ def _plain_step(loss: Callable, opt, k: int, *, skip: bool = False) -> Callable:
 
     if not skip:
       return update((params, opt_state))
-    finite = jnp.isfinite(sum(jnp.sum(x * 0, dtype=jnp.float32) for x in jax.tree.leaves(g)))
+    finite = jnp.isfinite(sum(jnp.sum(x - x, dtype=jnp.float32) for x in jax.tree.leaves(g)))
     return lax.cond(finite, update, lambda ops: ops, (params, opt_state))
 
   return step
@@ -151,9 +160,11 @@ def _builders(kind: str, depth: int, width: int, mesh) -> dict[str, Callable]:
   rows = NamedSharding(mesh, PartitionSpec("data"))
   batch = {n: jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=rows) for n in ("tok", "tgt")}
 
-  def ja_step(strategy, gather=None):
-    options = {} if gather is None else {"fsdp_gather": gather}
-    return lambda: ja.make_train_step(make_loss(kind), opt, num_microbatches=K, mesh=mesh, strategy=strategy, **options)
+  def ja_step(strategy, gather=None, check=True):
+    options: dict = {} if gather is None else {"fsdp_gather": gather}
+    return lambda: ja.make_train_step(
+      make_loss(kind), opt, num_microbatches=K, mesh=mesh, strategy=strategy, skip_nonfinite=check, **options
+    )
 
   return {
     "plain fsdp layout": lambda: (_plain_step(make_loss(kind), opt, K), (*fsdp_args, batch)),
@@ -163,6 +174,8 @@ def _builders(kind: str, depth: int, width: int, mesh) -> dict[str, Callable]:
     "ddp": lambda: (ja_step("ddp")(), (*ddp_args, batch)),
     "fsdp per_microbatch": lambda: (ja_step("fsdp", "per_microbatch")(), (*fsdp_args, batch)),
     "fsdp once": lambda: (ja_step("fsdp", "once")(), (*fsdp_args, batch)),
+    "ddp, no check": lambda: (ja_step("ddp", check=False)(), (*ddp_args, batch)),
+    "fsdp per_microbatch, no check": lambda: (ja_step("fsdp", "per_microbatch", check=False)(), (*fsdp_args, batch)),
   }
 
 
@@ -210,7 +223,7 @@ def measure(kind: str, depth: int, width: int, reps: int, steps=STEPS) -> dict:
   # The plain step with the skip against the plain step, and each jaxaccum step against the former.
   skip_ratios = {
     n: common._quartiles([a / b for a, b in zip(total[n], total[base], strict=True)])
-    for n, base in [*((WITH_SKIP[j], b) for j, b in BASELINE.items()), *WITH_SKIP.items()]
+    for n, base in [*((WITH_SKIP[j], b) for j, b in BASELINE.items() if j in WITH_SKIP), *WITH_SKIP.items()]
     if n in names and base in names
   }
   return {
@@ -246,9 +259,10 @@ def table(quick: bool = False) -> dict:
     "devices. Baselines: a plain `jax.jit` + `lax.scan` over the microbatches with GSPMD shardings, in the fsdp "
     "layout (for the fsdp rows) or replicated (for ddp); '+ skip': the same plain step with the guarantee every "
     "jaxaccum step gives (no update from a non-finite gradient), hand-written: its update in a `lax.cond` on "
-    "the gradients being finite, checked as jaxaccum checks them (one reduction of `x * 0` per leaf). Each "
+    "the gradients being finite, checked as jaxaccum checks them (one reduction of `x - x` per leaf). Each "
     "rep clears JAX's caches and builds fresh functions before every step; steps interleaved, order rotated "
-    "each rep. Seconds: medians over the reps; ratios: a step's total over the "
+    "each rep. ', no check': `make_train_step(..., skip_nonfinite=False)`, the guarantee off, read against the "
+    "plain step with no allowance. Seconds: medians over the reps; ratios: a step's total over the "
     "plain step's (and over the plain step with the skip) within each rep, median [min, max]. Targets "
     f"(against the plain step): <= {TARGET['listed']:.2f}x listed, <= {TARGET['scanned']:.2f}x scanned.",
     "",
