@@ -16,7 +16,9 @@ A buffer's `kind` is one of:
 - `"argument"`: an input buffer (`args[i]...`): parameters, optimizer state, the batch;
 - `"gathered"`: the result of an all-gather (a gathered parameter under fsdp);
 - `"collective"`: the result of another collective (a reduce-scatter, an all-reduce);
-- `"loop state"`: a loop's carried value or its copy (an accumulator, a scan's stacked outputs);
+- `"loop state"`: a value as a loop body receives it or XLA's copy of a loop's carry (the parameters,
+  optimizer state and accumulators as the microbatch loop carries them; a scan's stacked outputs). An
+  accumulator's new value inside the loop body is a temporary;
 - `"temporary"`: anything else the step computes (activations, logits, their gradients).
 
 The figures are those of the compiler that compiled it (XLA:CPU here: it
@@ -37,7 +39,8 @@ from typing import NamedTuple
 
 _PEAK = re.compile(r"^\s*Live ranges at \d+ \(peak\):\s*$")
 _LIVE = re.compile(r"^\s+(?P<name>[^\s{]+)\{(?P<index>[^}]*)\}: (?P<bytes>\d+) bytes")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<shape>\S+(?: \S+)??) (?P<op>[\w\-]+)\(")
+# `name = shape opcode(`: a tuple shape holds spaces (`(s32[], f32[8]{0})`), an array shape none.
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\S+) (?P<op>[\w\-]+)\(")
 _OP_NAME = re.compile(r'op_name="(?P<op_name>[^"]*)"')
 
 
@@ -82,7 +85,10 @@ def memory_breakdown(lowered) -> MemoryBreakdown:
 
   Returns:
     A `MemoryBreakdown`: `peak_bytes` and the `buffers` alive then, largest first (`.by_kind()`,
-    `.summary()`).
+    `.summary()`). `peak_bytes` is the peak of the compiled schedule (what is alive at once); the figure
+    `memory_analysis()` gives (argument + output - alias + temp, what `ja.plan_microbatches` and the bench's
+    tables read) is the size of the blocks XLA preallocates, which also holds what its allocator could not
+    pack, so it is at or above this one.
 
   Raises:
     ValueError: `lowered` is not a lowered computation, or its compiler wrote no live-range report.
@@ -135,7 +141,9 @@ def _instructions(text: str) -> dict[str, tuple[str, str, str]]:
     m = _INSTR.match(line)
     if m:
       op_name = _OP_NAME.search(line)
-      out[m.group("name")] = (m.group("shape"), m.group("op"), op_name.group("op_name") if op_name else "")
+      # The HLO text escapes the quotes of an argument's path (args[0][\\'w\\']): shown as JAX names them.
+      name = op_name.group("op_name").replace("\\'", "'").replace('\\"', '"') if op_name else ""
+      out[m.group("name")] = (m.group("shape"), m.group("op"), name)
   return out
 
 

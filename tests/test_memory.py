@@ -158,6 +158,8 @@ def test_memory_breakdown_names_the_buffers_at_the_peak():
   named = {b.op_name for b in got.buffers if b.kind == "argument"}
   # x (1 MiB) is read by the backward pass: alive at the peak, named by its argument path.
   assert any(n.startswith("x") or n.startswith("args[1]") for n in named), named
+  assert not any("\\'" in b.op_name for b in got.buffers)  # paths as JAX names them, not as HLO escapes them
+  assert all(b.shape != "?" for b in got.buffers), got.summary()  # loop bodies' parameters too
   # The largest temporary is an activation of 1024 x 512 float32 (2 MiB), named by its operation.
   temps = [b for b in got.buffers if b.kind == "temporary"]
   assert temps and temps[0].bytes >= 1024 * 512 * 4 and temps[0].op_name, temps[:3]
