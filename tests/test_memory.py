@@ -26,27 +26,9 @@ def _peak(compiled) -> int:
   return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
 
 
-def _plain_step(loss, opt, k, params, opt_state):
-  """The user's step without jaxaccum, written plainly: jit + lax.scan over K strided microbatches, GSPMD."""
-  param_sh = jax.tree.map(lambda x: x.sharding, params)
-
-  def step(params, opt_state, batch):
-    mbs = jax.tree.map(lambda v: jnp.moveaxis(v.reshape((v.shape[0] // k, k) + v.shape[1:]), 1, 0), batch)
-
-    def body(carry, mb):
-      acc, total = carry
-      value, g = jax.value_and_grad(loss)(params, mb)
-      return (jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g), total + value), None
-
-    zeros = jax.tree.map(
-      lambda x, sh: lax.with_sharding_constraint(jnp.zeros(x.shape, jnp.float32), sh), params, param_sh
-    )
-    (acc, total), _ = lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), mbs)
-    updates, opt_state = opt.update(jax.tree.map(lambda a: a / k, acc), opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, total / k  # the loss, as make_train_step's metrics
-
-  out_sh = (param_sh, jax.tree.map(lambda x: x.sharding, opt_state), None)
-  return jax.jit(step, donate_argnums=(0, 1), out_shardings=out_sh)
+# The user's step without jaxaccum (jit + lax.scan over K strided microbatches, GSPMD), written plainly in the
+# bench (`jaxaccum.bench.fit.plain_step`): the fit section's reference too, one definition for both.
+_plain_step = fit.plain_step
 
 
 def _inputs(mesh, axes, layout, opt):
