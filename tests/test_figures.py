@@ -64,6 +64,16 @@ def test_regions_are_rewritten_whole_as_a_table_or_a_cell():
   assert again == new and changed == []  # idempotent: a second run changes nothing
 
 
+def test_a_cell_that_reads_as_a_link_reference_is_escaped():
+  # `[text][ref]` in a table cell (a buffer named params['layers']['w_up']) is a link reference to markdown:
+  # mkdocs --strict refused the page (CI, issue 48's breakdown table). Code spans are left as written.
+  table = "| case | buffer |\n|---|---|\n| a | params['layers']['w_up'] and `x['a']['b']` |"
+  out = figures._escape_brackets("Prose with [a link][ref].\n\n" + table)
+  assert "| a | params['layers']\\['w_up'] and `x['a']['b']` |" in out
+  assert "Prose with [a link][ref]." in out  # outside tables: the page's own markdown
+  assert figures._escape_brackets(out) == out
+
+
 def test_bad_region_options_are_refused_by_name():
   with pytest.raises(ValueError, match="option"):
     figures.rewrite("<!-- bench:demo/two-tables colour=red --><!-- /bench -->", _results())

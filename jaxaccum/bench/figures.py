@@ -159,6 +159,21 @@ def _table_markdown(table: dict, cols: list[str] | None, rows: list[str] | None)
   return "\n".join([line(columns), "|" + "|".join(align[i] for i in keep) + "|"] + [line(r) for r in body])
 
 
+_CODE_SPAN = re.compile(r"(`[^`]*`)")
+
+
+def _escape_brackets(markdown: str) -> str:
+  """Table rows with `][` written `]\\[` outside code spans: a cell like `params['w']['b']` is data, while
+  markdown reads `[text][ref]` as a link reference (mkdocs --strict refuses an unresolved one)."""
+
+  def row(line: str) -> str:
+    if not line.startswith("|"):
+      return line
+    return "".join(p if p.startswith("`") else p.replace("][", "]\\[") for p in _CODE_SPAN.split(line))
+
+  return "\n".join(row(line) for line in markdown.split("\n"))
+
+
 def render(result: dict, opts: dict[str, str]) -> str:
   """What a region with these options holds (inline text for a cell, a block otherwise)."""
   if "row" in opts or "col" in opts:
@@ -180,6 +195,7 @@ def render(result: dict, opts: dict[str, str]) -> str:
     text = _table_markdown(table, split("cols"), split("rows"))
   else:
     text = result["markdown"]
+  text = _escape_brackets(text)
   # Blank lines around the block: a marker line directly above a table would make it part of an HTML block.
   return f"\n\n{text}\n\n{run_line(result['header'], result['section'])}\n\n"
 
