@@ -213,7 +213,7 @@ def _local(cfg: Config, flat, params, state, batch, key):
   axis = None if not axes else axes[0] if len(axes) == 1 else axes
   coll = None if plan is None else _Collectives(plan, flat, cfg.mesh, cfg.comm_dtype)
   if key is not None:
-    key = jax.random.fold_in(key, 0 if axis is None else lax.axis_index(axis))
+    key = _tree.fold_keys(key, 0 if axis is None else lax.axis_index(axis), "key")
   if coll is not None and plan.params_sharded and not cfg.lean:
     params = coll.gather(params)  # fsdp_gather="once": the whole tree, once per step
   if axes:
@@ -297,7 +297,7 @@ def _microbatch_fn(cfg: Config, coll, params, state, key, ws, total):
   unit = None if cfg.weight_fn is not None else 1.0 / _unit_total(cfg, axes or None)
 
   def run(mbs, i):
-    rest = ((state,) if cfg.has_state else ()) + (mbs[0],) + (() if key is None else (jax.random.fold_in(key, i),))
+    rest = ((state,) if cfg.has_state else ()) + (mbs[0],) + (() if key is None else (_tree.fold_keys(key, i, "key"),))
     share = ws[i] / total
     if lw is not None:
       value, leaves = _layerwise_grads(lw, cfg, coll, params, rest, ws[i], share)

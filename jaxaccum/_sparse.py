@@ -48,7 +48,8 @@ class TopK:
 
   Args:
     density: the fraction of each chunk sent, in (0, 1]; k = max(1, round(density * chunk)).
-    chunk: C, the chunk length (every parameter leaf must hold at least C elements).
+    chunk: C, the chunk length (every parameter leaf must hold at least C elements; an empty leaf, size 0,
+      sends nothing and its Delta is empty).
     bits: b, the bits of each kept value: 2, 4 or 8 (sign and b - 1 magnitude bits).
     beta: the error-feedback decay in [0, 1]: e <- beta e + Delta before each send.
 
@@ -83,10 +84,10 @@ class TopK:
     return max(1, math.ceil(math.log2(self.chunk)))
 
   def check_leaves(self, params) -> None:
-    """A ValueError naming the first leaf smaller than a chunk."""
+    """A ValueError naming the first non-empty leaf smaller than a chunk (an empty one has nothing to send)."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       size = int(np.prod(np.shape(leaf), dtype=np.int64))
-      if size < self.chunk:
+      if 0 < size < self.chunk:
         raise ValueError(
           f"TopK(chunk={self.chunk}) is larger than the leaf params{jax.tree_util.keystr(path)} of {size} "
           f"elements: every leaf must hold at least one chunk; choose chunk <= {size}"
@@ -216,6 +217,11 @@ def wire_mean(leaves: list, axis_name, replicas: int, spec: TopK):
   parts, left, backs, shapes, prev = [], [], [], [], None
   for leaf in leaves:
     x, back = leaf(lambda inputs, prev=prev: inputs if prev is None else _after(inputs, prev))
+    if x.size == 0:  # an empty leaf: no chunk, nothing in the payload; its Delta and residual are empty too
+      left.append(back(x))
+      backs.append(back)
+      shapes.append((0, x.shape, x.dtype))
+      continue
     idx, codes, scales, c = encode(x, spec)
     parts += [pack(idx, spec.index_bits), pack(codes, spec.bits), lax.bitcast_convert_type(scales, jnp.uint8).ravel()]
     left.append(back(x - c))  # x and c die here
@@ -226,6 +232,9 @@ def wire_mean(leaves: list, axis_name, replicas: int, spec: TopK):
   delta: list = []
   offset = 0
   for back, (size, shape, dtype) in zip(backs, shapes, strict=True):
+    if size == 0:
+      delta.append(back(jnp.zeros(shape, dtype)))
+      continue
     n, k = -(-size // spec.chunk), spec.k
     cuts = offset + np.cumsum((0, *payload_bytes(size, spec)))
     idx_b, code_b, scale_b = (everyone[:, lo:hi] for lo, hi in zip(cuts[:-1], cuts[1:], strict=True))

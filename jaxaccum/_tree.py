@@ -199,35 +199,72 @@ def is_key(x) -> bool:
   return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def fold_key(key, index):
+def _raw_key_shape() -> tuple[int, ...]:
+  """The trailing shape of a raw key of the default PRNG implementation (uint32[2] for threefry)."""
+  return tuple(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape)
+
+
+def _is_raw_key(x) -> bool:
+  """A raw key array (`jax.random.PRNGKey`, or a stack of them): uint32[..., *key_shape] of the default impl."""
+  tail = _raw_key_shape()
+  shape = tuple(jnp.shape(x))
+  return jnp.result_type(x) == jnp.uint32 and len(shape) >= len(tail) and shape[len(shape) - len(tail) :] == tail
+
+
+def _is_counter(x) -> bool:
+  """An integer or bool scalar beside keys (an `nnx.Rngs` stream's count): kept as it is, never folded."""
+  return jnp.ndim(x) == 0 and (jnp.issubdtype(jnp.result_type(x), jnp.integer) or jnp.result_type(x) == jnp.bool_)
+
+
+def fold_key(key, index, where: str = "key_argnum"):
   """`jax.random.fold_in(key, index)` for a typed key array of any shape, or a raw key (uint32[..., 2])."""
   if is_key(key):
     flat = key.reshape(-1)
     return jax.vmap(lambda k: jax.random.fold_in(k, index))(flat).reshape(key.shape)
   raw = jnp.asarray(key)
-  if raw.dtype != jnp.uint32 or raw.ndim < 1 or raw.shape[-1] != 2:
+  if not _is_raw_key(raw):
     raise TypeError(
-      f"key_argnum names an argument with a leaf of {raw.dtype}{list(raw.shape)}: a PRNG key is a typed key "
-      "(jax.random.key) or a raw uint32[2] key (jax.random.PRNGKey)"
+      f"{where} has a leaf of {raw.dtype}{list(raw.shape)}: a PRNG key is a typed key "
+      f"(jax.random.key) or a raw uint32{list(_raw_key_shape())} key (jax.random.PRNGKey)"
     )
-  flat = raw.reshape(-1, 2)
+  tail = _raw_key_shape()
+  flat = raw.reshape(-1, *tail)
   return jax.vmap(lambda k: jax.random.fold_in(k, index))(flat).reshape(raw.shape)
 
 
-def fold_keys(tree, index):
-  """Every key of `tree` folded with `index`: the tree itself if it is one key (typed or raw), else each of its
-  typed-key leaves (an `nnx.Rngs` state: its keys folded, its counts kept). Raises a TypeError naming the
-  argument when a tree of several leaves holds no typed key."""
-  leaves = jax.tree.leaves(tree)
-  if len(leaves) == 1 and tree is leaves[0]:
-    return fold_key(tree, index)
-  if not any(is_key(x) for x in leaves):
+def key_mask(tree, where: str = "key_argnum") -> list[bool]:
+  """Which leaves of a key tree are keys to fold, typed (`jax.random.key`) or raw (`jax.random.PRNGKey`).
+
+  Integer scalars beside the keys (an `nnx.Rngs` state's counts) are kept (False). Any other leaf is refused by
+  its path: it is neither a key nor a counter, cannot be told from a raw key of another shape or dtype, and
+  passed on unchanged it would give every microbatch the same draws (issue 49). A tree with no key at all is
+  refused too. `where` names the argument in the messages (`key_argnum`, `key`).
+  """
+  with_paths = jax.tree_util.tree_leaves_with_path(tree)
+  if not any(is_key(x) or _is_raw_key(x) for _, x in with_paths):
     raise TypeError(
-      "key_argnum names an argument with no PRNG key in it (a tree of "
-      f"{[f'{jnp.result_type(x)}{list(jnp.shape(x))}' for x in leaves][:6]}): give a typed key (jax.random.key), "
-      "a raw uint32[2] key (jax.random.PRNGKey), or a tree holding typed keys (an nnx.Rngs state)"
+      f"{where} names an argument with no PRNG key in it (a tree of "
+      f"{[f'{jnp.result_type(x)}{list(jnp.shape(x))}' for _, x in with_paths][:6]}): give a typed key "
+      "(jax.random.key), a raw uint32[2] key (jax.random.PRNGKey), or a tree of them (an nnx.Rngs state)"
     )
-  return jax.tree.map(lambda x: fold_key(x, index) if is_key(x) else x, tree)
+  mask = []
+  for path, x in with_paths:
+    if not (is_key(x) or _is_raw_key(x) or _is_counter(x)):
+      raise TypeError(
+        f"{where}{jax.tree_util.keystr(path)} is {jnp.result_type(x)}{list(jnp.shape(x))}, beside PRNG keys: "
+        "neither a key (typed jax.random.key, or raw uint32[2] from jax.random.PRNGKey) nor an integer scalar "
+        "(a counter); it cannot be told from a key, and passed on unchanged it would give every microbatch "
+        "the same draws. Pass keys (and counters) only in this argument"
+      )
+    mask.append(not _is_counter(x))
+  return mask
+
+
+def fold_keys(tree, index, where: str = "key_argnum"):
+  """Every key of `tree` folded with `index` (see `key_mask`: typed and raw keys folded, counters kept)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  mask = key_mask(tree, where)
+  return treedef.unflatten([fold_key(x, index, where) if m else x for x, m in zip(leaves, mask, strict=True)])
 
 
 def bind_as_call(closed):

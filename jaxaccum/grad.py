@@ -161,7 +161,9 @@ def value_and_grad(
       0/0 = NaN (selected out, never multiplied by 0). All weights 0: a zero
       gradient and a NaN value (the plain step's 0/0).
     key_argnum: a positional argument holding PRNG keys (a key, or a pytree of
-      them). Device d's rows get `jax.random.fold_in(key, d)`, so devices draw
+      them, typed or raw, with integer scalar counts kept as they are; any
+      other leaf is refused by its path). Device d's rows get
+      `jax.random.fold_in(key, d)` (every key of the tree), so devices draw
       independent dropout masks, as ja.microbatch does per microbatch. Typed
       keys (`jax.random.key`) in the other non-differentiated arguments (e.g.
       an nnx model's rng state) are folded the same way without being named;
@@ -289,8 +291,10 @@ def _arguments(cfg: _Config, mesh, args) -> tuple[_Args, list]:
   diff_leaf = [o in nums for o in owners]
   # A typed key sharded over the axis is per-row data (each row its key) and reaches its device as it is;
   # a replicated one would give every device the same draws, so it is folded, as is all of key_argnum.
+  # Every key of key_argnum's tree, typed or raw, is folded (its counters kept; anything else refused by name).
+  named = iter([] if key_argnum is None else _tree.key_mask(args[key_argnum], "key_argnum"))
   key_leaf = [
-    o == key_argnum or (o not in nums and _tree.is_key(x) and _replicated(x))
+    next(named) if o == key_argnum else (o not in nums and _tree.is_key(x) and _replicated(x))
     for o, x in zip(owners, arrays, strict=True)
   ]
   specs = [P() if d else _spec_of(x) for x, d in zip(arrays, diff_leaf, strict=True)]

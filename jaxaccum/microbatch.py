@@ -279,9 +279,12 @@ def microbatch(
       microbatch weighs 1.
     key_argnum: a positional PRNG-key argument; microbatch i receives
       `jax.random.fold_in(key, i)` (also when K = 1). A tree of keys (an
-      `nnx.Rngs` state from `nnx.split`) has each of its typed keys folded so,
-      its other leaves (the counts) kept. A key in any other argument is the
-      same for every microbatch, as a key in make_train_step's model state.
+      `nnx.Rngs` state from `nnx.split`, a dict of `jax.random.key`s or raw
+      `jax.random.PRNGKey`s) has every key folded so, typed or raw, and its
+      integer scalars (the counts) kept; any other leaf is refused by its path
+      (it cannot be told from a key, and unfolded it would repeat the draws).
+      A key in any other argument is the same for every microbatch, as a key
+      in make_train_step's model state.
     axis_name: inside `jax.shard_map`/`jax.pmap`, the data axis: after the loop
       one all-reduce of (sum_i w_i o_i, sum_i w_i) gives the weighted mean over
       all microbatches of all devices. Under shard_map, gradients must vary

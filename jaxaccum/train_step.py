@@ -269,7 +269,12 @@ def make_train_step(
       `has_aux` (with `has_state`: see above). Should be a mean over the rows
       of `batch` (see `weight_fn`). It must take the batch as an argument
       (not close over it).
-    optimizer: an optax transformation; it runs once per step, replicated.
+    optimizer: an optax transformation; it runs once per step, under `jit`
+      on the globally shaped gradient, state and parameters in their layout:
+      replicated under ddp, each device updating its shard under zero1, fsdp
+      and hsdp (the same update: a global quantity such as
+      `clip_by_global_norm`'s norm comes from scalar all-reduces the
+      partitioner inserts).
       One that takes extra arguments (`optax.GradientTransformationExtraArgs`
       whose `update` accepts `value` or `**kwargs`, e.g. `optax.contrib.
       reduce_on_plateau`) is called with `value=` the step's loss,
@@ -384,6 +389,10 @@ def make_train_step(
     A `key`, when given, is passed to `loss_fn` as
     `fold_in(fold_in(key, device_index), i)` for microbatch i (device index 0
     without a mesh), so devices and microbatches draw different randomness.
+    It may be a tree of keys (typed `jax.random.key`s or raw
+    `jax.random.PRNGKey`s, e.g. one per stream): every key is folded so,
+    integer scalars beside them (counts) are kept, any other leaf is refused
+    by its path.
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn={loss_fn!r} must be callable")

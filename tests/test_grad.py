@@ -574,6 +574,30 @@ def test_each_device_draws_its_own_key(typed):
   assert float(jnp.max(jnp.abs(g[0]["w"] - mean(same_key)[0]["w"]))) > 1e-3  # not the key as it came
 
 
+def test_key_argnum_folds_every_key_of_a_tree():
+  """key_argnum naming a tree of a typed and a raw key and a counter: both keys folded per device, the counter
+  kept; a float leaf beside them is refused by its path."""
+  params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
+  x, y = regression_data(jax.random.PRNGKey(3), 32)
+  keys = {"typed": jax.random.key(7), "raw": jax.random.PRNGKey(8), "count": jnp.uint32(1)}
+  both = lambda q, b, ks: dropout_loss(q, b, ks["typed"]) + dropout_loss(q, b, ks["raw"]) * ks["count"]
+  mesh = explicit_mesh()
+  with jax.set_mesh(mesh):
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    run = jax.jit(
+      lambda q, b, k: jax.tree.map(
+        lambda a: jax.reshard(a, P()), ja.grad(both, axis_name="data", key_argnum=2)(q, b, k)
+      )
+    )
+    g = run(jax.device_put(params, NamedSharding(mesh, P())), batch, keys)
+    with pytest.raises(TypeError, match=r"key_argnum\['bad'\] is float32\[2\], beside PRNG keys"):
+      run(jax.device_put(params, NamedSharding(mesh, P())), batch, {**keys, "bad": jnp.zeros(2, jnp.float32)})
+  rows = [(x[4 * d : 4 * d + 4], y[4 * d : 4 * d + 4]) for d in range(N_DEV)]
+  fold = lambda d: {**keys, "typed": jax.random.fold_in(keys["typed"], d), "raw": jax.random.fold_in(keys["raw"], d)}
+  per_device = [jax.grad(both)(params, r, fold(d)) for d, r in enumerate(rows)]
+  chex.assert_trees_all_close(g, jax.tree.map(lambda *a: sum(a) / N_DEV, *per_device), rtol=RTOL, atol=1e-15)
+
+
 def test_per_example_aux_comes_back_in_row_order_and_reductions_are_explicit():
   params = mlp_init(jax.random.PRNGKey(0), (3, 8, 2))
   x, y = regression_data(jax.random.PRNGKey(3), 32)

@@ -112,6 +112,33 @@ def test_an_nnx_rngs_state_as_key_argnum_gives_each_microbatch_its_own_draws():
     ja.microbatch(jax.grad(fun), k, batch_argnums=2, key_argnum=0)({"a": 1.0, "b": 2.0}, state, x)
 
 
+def test_every_key_of_a_key_tree_is_folded_raw_or_typed():
+  """A tree of a typed key, a raw PRNGKey and a counter: both keys folded per microbatch, the counter kept.
+  Before (issue 49), the raw key beside a typed one reached every microbatch unchanged (the same dropout mask in
+  each), and a dict of raw keys was refused."""
+  x = jnp.arange(32.0).reshape(8, 4) / 7.0
+  k = 4
+  keys = {"typed": jax.random.key(1), "raw": jax.random.PRNGKey(2), "count": jnp.uint32(5)}
+
+  def fun(w, ks, xs):
+    a = jax.random.uniform(ks["typed"], xs.shape)
+    b = jax.random.uniform(ks["raw"], xs.shape)
+    return jnp.sum(xs * w * a) + jnp.sum(xs * b) * ks["count"].astype(xs.dtype)
+
+  got = ja.microbatch(fun, k, batch_argnums=2, key_argnum=1)(1.5, keys, x)
+  fold = lambda i: {**keys, "typed": jax.random.fold_in(keys["typed"], i), "raw": jax.random.fold_in(keys["raw"], i)}
+  want = np.mean([fun(1.5, fold(i), x[i::k]) for i in range(k)])
+  np.testing.assert_allclose(got, want, rtol=RTOL)
+  raw_only = {"a": jax.random.PRNGKey(3), "b": jax.random.PRNGKey(4)}
+  g = lambda w, ks, xs: jnp.sum(xs * jax.random.uniform(ks["a"], xs.shape) * jax.random.normal(ks["b"], xs.shape))
+  got = ja.microbatch(g, k, batch_argnums=2, key_argnum=1)(1.0, raw_only, x)
+  want = np.mean([g(1.0, jax.tree.map(lambda r: jax.random.fold_in(r, i), raw_only), x[i::k]) for i in range(k)])
+  np.testing.assert_allclose(got, want, rtol=RTOL)
+  # A leaf that is neither a key nor a counter cannot be told from a key: refused by its path, never passed on.
+  with pytest.raises(TypeError, match=r"key_argnum\['seed'\] is int32\[4\], beside PRNG keys"):
+    ja.microbatch(fun, k, batch_argnums=2, key_argnum=1)(1.5, {**keys, "seed": jnp.arange(4, dtype=jnp.int32)}, x)
+
+
 def ja_is_key(a) -> bool:
   return jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
 

@@ -132,6 +132,30 @@ def test_resume_mid_window_is_bit_identical(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, (p, s), straight[t])
 
 
+def test_an_empty_leaf_sends_nothing_and_changes_nothing_else():
+  # A size-0 leaf (a bias of an empty layer, a placeholder) holds no chunk: before, init refused it with
+  # "choose chunk <= 0". It must send nothing and leave every other leaf's result as it was without it.
+  spec = ja.TopK(density=0.2, chunk=16, bits=2, beta=0.9)
+  rng = np.random.default_rng(3)
+  params = {"a": rng.normal(size=(4, 16))}
+  grads = [{"a": jnp.asarray(rng.normal(size=(REPLICAS, 4, 16)))} for _ in range(4)]
+  tx = ja.diloco(optax.sgd(0.1), optax.sgd(1.0), 2, axis_name="r", compress=spec, error_feedback=True)
+  runs = []
+  for extra in ({}, {"z": np.zeros((0, 3))}):
+    p = _stack({**params, **extra})
+    s = _stack(tx.init({**params, **extra}))
+    step = _step(tx)
+    wire = ja.collective_bytes(step.lower(p, s, {**grads[0], **_stack(extra)}).compile())
+    for g in grads:
+      p, s = step(p, s, {**g, **_stack(extra)})
+    runs.append((p, s, wire))
+  (p0, s0, wire0), (p1, s1, wire1) = runs
+  assert wire1 == wire0 and wire0  # the same payload: the empty leaf adds no byte
+  np.testing.assert_array_equal(p1["a"], p0["a"])
+  np.testing.assert_array_equal(s1.residual["a"], s0.residual["a"])
+  assert p1["z"].shape == (REPLICAS, 0, 3) and s1.residual["z"].shape == (REPLICAS, 0, 3)
+
+
 def test_bad_input_names_the_argument():
   for kw, match in [
     (dict(density=0.0), "density=0.0 must be in \\(0, 1\\]"),

@@ -131,6 +131,36 @@ def test_key_per_device_and_microbatch(problem, devices):
   np.testing.assert_allclose(metrics["loss"], mse_loss(params, data), rtol=RTOL)
 
 
+@pytest.mark.parametrize("devices", [None, 4])
+def test_a_tree_of_keys_is_folded_per_device_and_microbatch(problem, devices):
+  """A key tree (typed and raw keys, a counter): every key gets fold_in(fold_in(key, device), i), the counter is
+  kept (before, the step's key had to be one key: jax.random.fold_in refused a tree)."""
+  params, _, data = problem
+  keys, k = {"typed": jax.random.key(3), "raw": jax.random.PRNGKey(4), "count": jnp.uint32(2)}, 2
+
+  def loss_fn(p, batch, ks):
+    draw = jax.random.uniform(ks["typed"], ()) + 10.0 * jax.random.uniform(ks["raw"], ())
+    return mse_loss(p, batch), draw * ks["count"].astype(jnp.float64)
+
+  mesh = None if devices is None else ja.data_mesh(devices=jax.devices()[:devices])
+  opt = optax.sgd(0.1)
+  step = ja.make_train_step(loss_fn, opt, num_microbatches=k, mesh=mesh, has_aux=True, donate=False)
+  _, _, metrics = step(params, opt.init(params), data, keys)
+  fold = lambda key, d, i: jax.random.fold_in(jax.random.fold_in(key, d), i)
+  draws = [
+    2.0
+    * (
+      float(jax.random.uniform(fold(keys["typed"], d, i), ()))
+      + 10.0 * float(jax.random.uniform(fold(keys["raw"], d, i), ()))
+    )
+    for d in range(devices or 1)
+    for i in range(k)
+  ]
+  np.testing.assert_allclose(metrics["aux"], np.mean(draws), rtol=RTOL)
+  with pytest.raises(TypeError, match=r"key\['bad'\] is float64\[3\], beside PRNG keys"):
+    step(params, opt.init(params), data, {**keys, "bad": jnp.zeros(3)})
+
+
 def loss_for_hlo(params, batch):
   return mse_loss(params, batch)
 
