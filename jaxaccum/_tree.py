@@ -264,7 +264,7 @@ def fold_keys(tree, index, where: str = "key_argnum"):
   """Every key of `tree` folded with `index` (see `key_mask`: typed and raw keys folded, counters kept)."""
   leaves, treedef = jax.tree.flatten(tree)
   mask = key_mask(tree, where)
-  return treedef.unflatten([fold_key(x, index, where) if m else x for x, m in zip(leaves, mask, strict=True)])
+  return jax.tree.unflatten(treedef, [fold_key(x, index, where) if m else x for x, m in zip(leaves, mask, strict=True)])
 
 
 def bind_as_call(closed):
