@@ -109,14 +109,53 @@ def _axis_types(mesh) -> dict:
   return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
 
 
+_PARTIAL_MANUAL: list[bool] = []  # whether this JAX has unreduced outputs from a partly manual shard_map (cached)
+
+
+def partial_manual_unreduced() -> bool:
+  """Whether the installed JAX types a `shard_map`'s output unreduced over its manual axes while other mesh axes
+  stay with the partitioner (a tensor-parallel "model" axis beside the data axis).
+
+  Asked of JAX itself, once per process, on an abstract mesh (nothing compiled or placed): jax 0.10.2 refuses
+  it ("unreduced/reduced can only be passed to out_specs when shard_map is in full manual mode"), 0.12.0.1
+  types it `f32[...@model]{U:data}`.
+  """
+  if not _PARTIAL_MANUAL:
+    mesh = jax.sharding.AbstractMesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    f = jax.shard_map(
+      lambda x: x, mesh=mesh, in_specs=P(), out_specs=P(unreduced={"a"}), axis_names={"a"}, check_vma=False
+    )
+    empty = jax.sharding.AbstractMesh((), ())
+    try:  # entered through the empty mesh: JAX refuses to change a set mesh (the caller's) to another directly
+      with jax.sharding.use_abstract_mesh(empty), jax.sharding.use_abstract_mesh(mesh):
+        jax.eval_shape(f, jax.ShapeDtypeStruct((4,), jnp.float32, sharding=NamedSharding(mesh, P())))
+      _PARTIAL_MANUAL.append(True)
+    except (NotImplementedError, ValueError):
+      _PARTIAL_MANUAL.append(False)
+  return _PARTIAL_MANUAL[0]
+
+
+def other_axes(mesh, axis_name) -> list[str]:
+  """The mesh's axes of size > 1 that are not `axis_name`'s (a tensor-parallel "model" axis, say)."""
+  return [n for n, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if s > 1 and n not in names(axis_name)]
+
+
+def manual_axes(mesh, axis_name) -> tuple[str, ...]:
+  """The axes a map that leaves its output unreduced over `axis_name` makes manual: every mesh axis when the
+  others have size 1 (all of them manual costs nothing), else only `axis_name`'s (the others stay with the
+  partitioner, which keeps the layouts the user gave them; `partial_manual_unreduced` says JAX allows it)."""
+  return tuple(mesh.axis_names) if not other_axes(mesh, axis_name) else names(axis_name)
+
+
 def usable(mesh, axis_name) -> bool:
-  """True when `mesh` has every name of `axis_name` as an Explicit axis and no other axis of size > 1."""
+  """True when `mesh` has every name of `axis_name` as an Explicit axis, and no other axis of size > 1 unless
+  this JAX allows unreduced values beside it (`partial_manual_unreduced`)."""
   if mesh is None:
     return False
   types = _axis_types(mesh)
   if not all(types.get(n) == AxisType.Explicit for n in names(axis_name)):
     return False
-  return all(size == 1 or name in names(axis_name) for name, size in zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+  return not other_axes(mesh, axis_name) or partial_manual_unreduced()
 
 
 def explicit_mesh(axis_name, tree=None, *, what: str, arg: str = "axis_name"):
@@ -142,12 +181,13 @@ def explicit_mesh(axis_name, tree=None, *, what: str, arg: str = "axis_name"):
       "Manual) axes JAX has no unreduced type, so gradients cannot be held unreduced across calls: make the mesh "
       f"with axis_types=(AxisType.Explicit, ...) (jax.make_mesh's default), or {_INSTEAD}"
     )
-  others = [n for n, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if s > 1 and n not in names(axis_name)]
-  if others:
+  others = other_axes(mesh, axis_name)
+  if others and not partial_manual_unreduced():
     raise ValueError(
       f"{what}: the mesh {dict(mesh.shape)} has the axis {others[0]!r} besides {arg}={axis_name!r}. In JAX "
-      "0.10 unreduced outputs need a shard_map manual over every mesh axis (NotImplementedError otherwise), "
-      f"so a tensor-parallel axis cannot stay as it is: {_INSTEAD}"
+      f"{jax.__version__} (installed) unreduced outputs need a shard_map manual over every mesh axis "
+      "(NotImplementedError otherwise), so a tensor-parallel axis cannot stay as it is. Upgrade JAX (0.12 "
+      f"allows it: pip install -U jax), or {_INSTEAD}"
     )
   return mesh
 

@@ -36,8 +36,10 @@ data axis dropped from their specs. A loss that closes over a batch sharded over
 the axis cannot run per device and is refused by name (`_per_device.explain`),
 as is an annotation in a custom derivative's rule. The pieces are module
 functions over `_Config` (what was given) and `_Args` (one call's arguments). JAX 0.10 limits (see
-`_unreduced`): the mesh's other axes must have size 1, and Auto meshes have no
-unreduced type; both give a ValueError that says what to use instead.
+`_unreduced`): the mesh's other axes must have size 1 (a "model" axis beside the data
+axis needs a JAX that types a partly manual map's output unreduced, 0.12; the map is
+then manual over the data axis only), and Auto meshes have no unreduced type; both give
+a ValueError that says what to use instead.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxaccum import _per_device, _program, _sums, _tree, _unreduced
@@ -189,7 +192,8 @@ def value_and_grad(
   Raises:
     ValueError: `axis_name` bound by an enclosing pmap/shard_map (use
       `jax.grad` there, on parameters cast to varying), not an Explicit axis of
-      the mesh, or a mesh with another axis of size > 1 (JAX 0.10); a closure
+      the mesh, or a mesh with another axis of size > 1 on a JAX that cannot
+      leave a partly manual map's output unreduced (0.10); a closure
       over a sharded batch; a sharding annotation naming the axis inside a
       custom derivative's rule; each says what to use instead. TypeError: bad `argnums`,
       `weight_fn` not callable, a non-floating "mean" aux leaf, a non-scalar loss.
@@ -265,7 +269,15 @@ def _call(cfg: _Config, args):
   # zeros, a fori_loop from 0.0), which a checked body would type as invariant against a varying output.
   # Unchecked, autodiff leaves each device its local gradient (no psum for the replicated parameters),
   # which is exactly the partial sum the unreduced output wants.
-  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=tuple(a.specs), check_vma=False)
+  # Manual over every mesh axis, or over the data axis only when another axis has size > 1 (a tensor-parallel
+  # "model" axis stays with the partitioner, its layouts as the user gave them: `_unreduced.manual_axes`).
+  smap = functools.partial(
+    jax.shard_map,
+    mesh=mesh,
+    in_specs=tuple(a.specs),
+    check_vma=False,
+    axis_names=set(_unreduced.manual_axes(mesh, axis_name)),
+  )
   modes = None
   if cfg.has_aux:
     probe = functools.partial(_probe, cfg, a)
@@ -297,16 +309,32 @@ def _arguments(cfg: _Config, mesh, args) -> tuple[_Args, list]:
     next(named) if o == key_argnum else (o not in nums and _tree.is_key(x) and _replicated(x))
     for o, x in zip(owners, arrays, strict=True)
   ]
-  specs = [P() if d else _spec_of(x) for x, d in zip(arrays, diff_leaf, strict=True)]
+  manual = _unreduced.manual_axes(mesh, axis_name)
+  auto = [n for n in mesh.axis_names if n not in manual]  # left to the partitioner: a "model" axis, say
+  # The map's in_specs name its manual axes only; a leaf's layout over the others travels with its type.
+  specs = [P() if d else _program.drop_axes(_spec_of(x), auto) for x, d in zip(arrays, diff_leaf, strict=True)]
   rows = _local_rows(arrays, specs, axis_name)
-  # A differentiated leaf sharded over the axis (FSDP-style) is gathered once here: each device's loss needs
-  # all of it. Its gradient comes back unreduced at full size; ja.accumulate reduce-scatters it at the window end.
+  # A differentiated leaf sharded over the manual axes (FSDP-style) is gathered over them once here: each
+  # device's loss needs all of it (a tensor-parallel sharding over the other axes is kept). Its gradient comes
+  # back unreduced at full size; ja.accumulate reduce-scatters it at the window end.
+  over_manual = lambda x: any(e is not None and set(_unreduced.names(e)) & set(manual) for e in _spec_of(x))
   with _unreduced.mesh_context(arrays):  # placed arguments are enough: no jax.set_mesh needed
-    arrays = [jax.reshard(x, P()) if d and not _replicated(x) else x for x, d in zip(arrays, diff_leaf, strict=True)]
+    arrays = [
+      jax.reshard(x, _program.drop_axes(_spec_of(x), manual)) if d and over_manual(x) else x
+      for x, d in zip(arrays, diff_leaf, strict=True)
+    ]
   # fun traced once, on one device's shapes, outside the per-device map (`_program`): annotations naming the
   # mesh's axes are localised there (every axis is manual inside, the others of size 1), and no check traces
   # fun again.
-  local = [jax.ShapeDtypeStruct(_local_shape(x, s, mesh), x.dtype) for x, s in zip(arrays, specs, strict=True)]
+  # One device's shapes over the manual axes; over the others the leaves keep their global shape and layout.
+  local = [
+    jax.ShapeDtypeStruct(
+      _local_shape(x, s, mesh),
+      x.dtype,
+      sharding=NamedSharding(mesh, _program.drop_axes(_spec_of(x), manual)) if auto else None,
+    )
+    for x, s in zip(arrays, specs, strict=True)
+  ]
   rebuild = lambda xs: _rebuild(treedef, leaves, is_array, xs)
   # The leaves split over the axis on their rows are typed so (P(axis_name) on the size-1 axis), as the user's
   # own jit types them: an Explicit-mesh `with_sharding_constraint(h, P(axis_name, ...))` asserts that layout,
@@ -319,7 +347,7 @@ def _arguments(cfg: _Config, mesh, args) -> tuple[_Args, list]:
     lambda *xs: cfg.fun(*rebuild(xs)),
     shapes,
     mesh=mesh,
-    data_axes=tuple(mesh.axis_names),
+    data_axes=manual,
     batch_argnums=batch,
     row_axis=axis_name,
     entry="ja.grad",
