@@ -6,11 +6,13 @@ compiled HLO. Multi-device sections run on 8 devices, simulated on CPU when
 the machine has fewer.
 
 One module per section (`accumulate`, `microbatch`, `flax`, `lowcomm`, `sharded`, `fsdp`,
-`noise`, `grad`, `per_example`, `model_axis`, `fit`), each with
+`noise`, `grad`, `per_example`, `model_axis`, `fit`, `device`), each with
 `run(quick) -> list of {"title", "markdown", "data"}`; `common` holds the MLP, its
 data and the timing helpers they share. The JSON adds to each result its `id`
 (section/title slug) and its `tables` as structured rows; `figures` rewrites the
-docs' marked regions from them. Importing this package touches no device.
+docs' marked regions from them. `device` is the device check for a lent accelerator
+(`python -m jaxaccum.bench.device`: one device, its own sizes, budget and markdown).
+Importing this package touches no device.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ SECTIONS = (
   "per_example",
   "model_axis",
   "fit",
+  "device",
 )
 
 
@@ -128,10 +131,28 @@ MEASURES = {
     "hlo.py",
     "_hlo.py",
   ),
+  # The device check (`python -m jaxaccum.bench.device`): accumulate, microbatch/make_train_step and the noise
+  # scale on one device, with bench/accumulate.py's and bench/noise.py's runners and targets.
+  "device": (
+    "accumulate.py",
+    "_window.py",
+    "_tree.py",
+    "noise.py",
+    "parallel.py",
+    "microbatch.py",
+    "train_step.py",
+    "_engine.py",
+    "_program.py",
+    "_jax_private.py",
+    "_split.py",
+    "_sums.py",
+    "planner.py",
+  ),
 }
 _BENCH_FILES = {
   "lowcomm": ("bench/lowcomm.py", "bench/textlm.py"),
   "fit": ("bench/fit.py",),
+  "device": ("bench/device.py", "bench/accumulate.py", "bench/noise.py"),
   # model_axis includes the compile-time table (`compile_time.table`).
   "model_axis": ("bench/model_axis.py", "bench/compile_time.py"),
 }
