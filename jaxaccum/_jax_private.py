@@ -14,6 +14,7 @@ no way to retype them or the equations' recorded contexts.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import jax
@@ -128,10 +129,14 @@ def arrays_typed_on(retype):
 
 
 _SHARD_MAP_TYPED_BOUNDARY = False
+# For each shard_map being lowered on this thread (innermost last): whether jaxaccum built it.
+_LOWERING_OURS = threading.local()
+# jaxaccum's own source files: a shard_map whose function is defined here is jaxaccum's (see `_built_here`).
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def shard_map_keeps_free_explicit_axes() -> None:
-  """Makes a partial-manual `jax.shard_map` keep its arguments' and results' shardings over the free Explicit axes.
+  """Makes jaxaccum's own partial-manual `jax.shard_map`s keep their values' shardings over the free Explicit axes.
 
   jax 0.10.2 lowers a `shard_map` manual over some axes of an Explicit mesh with boundary shardings built
   from its `in_specs`/`out_specs` alone (`jax._src.shard_map._shardy_shard_map_sharding(ctx, mesh,
@@ -139,10 +144,19 @@ def shard_map_keeps_free_explicit_axes() -> None:
   replicated over "model" (an all-gather, and `dynamic-slice`s by partition id where the body's
   annotations shard it again), and every result leaves replicated over "model" (another all-gather, then
   a slice for the caller's type). jax 0.11 and later build them from the value's type when every mesh
-  axis is Explicit or Manual (`aval.sharding.spec`). This gives 0.10 that rule: the same values, the
-  collectives gone. Installed once, process-wide, by the first step built on such a mesh; a no-op where
-  JAX already lowers so (its rule's last parameter is `aval`, not `aval_in`). Checked on 0.10.2 (patched)
-  and 0.12.0.1 (left alone).
+  axis is Explicit or Manual (`aval.sharding.spec`). This gives 0.10 that rule, for jaxaccum's maps only:
+  the same values, the collectives gone.
+
+  Only jaxaccum's programs change. The rule is wrapped once, process-wide, by the first step built on such
+  a mesh, and applies the typed boundary only while JAX lowers a shard_map whose function jaxaccum defined
+  (`jax._src.shard_map._shard_map_lowering_shardy(ctx, in_nodes, jaxpr, ...)` is wrapped to note, per
+  thread, whether `jaxpr.debug_info` names a source file of this package; JAX keeps it through jvp,
+  partial evaluation and transposition). A user's own shard_map, outside any jaxaccum step or inside one
+  (a tensor-parallel layer in the loss), lowers as JAX lowers it: the same HLO, the same float64 results
+  bit for bit, whether or not a step was built in the process. The type's spec is used only where it
+  names the same manual axes on every dimension as JAX's spec (which fixes the body's block shapes); it
+  differs only over the free axes. A no-op where JAX already lowers so (its rule's last parameter is
+  `aval`, not `aval_in`). Checked on 0.10.2 (patched) and 0.12.0.1 (left alone).
   """
   global _SHARD_MAP_TYPED_BOUNDARY
   if _SHARD_MAP_TYPED_BOUNDARY:
@@ -153,17 +167,61 @@ def shard_map_keeps_free_explicit_axes() -> None:
   from jax._src import shard_map as _shard_map  # noqa: PLC0415, PLC2701
 
   rule = getattr(_shard_map, "_shardy_shard_map_sharding", None)
-  if rule is None or list(inspect.signature(rule).parameters)[-1:] != ["aval_in"]:
+  lowering = getattr(_shard_map, "_shard_map_lowering_shardy", None)
+  if rule is None or lowering is None or list(inspect.signature(rule).parameters)[-1:] != ["aval_in"]:
+    return
+  if list(inspect.signature(lowering).parameters)[:3] != ["ctx", "in_nodes", "jaxpr"]:
     return
 
   def typed(ctx, mesh, manual_axes, spec, aval_in):
-    sharding = getattr(aval_in, "sharding", None)
-    m = getattr(sharding, "mesh", None)
-    if sharding is not None and m is not None and not m.empty and getattr(m, "_are_all_axes_explicit_or_manual", False):
-      spec = sharding.spec
+    ours = getattr(_LOWERING_OURS, "stack", None)
+    if ours and ours[-1]:
+      spec = _typed_boundary_spec(spec, aval_in, manual_axes)
     return rule(ctx, mesh, manual_axes, spec, aval_in)
 
+  def lower(ctx, in_nodes, jaxpr, *args, **kwargs):
+    stack = _LOWERING_OURS.__dict__.setdefault("stack", [])
+    stack.append(_built_here(jaxpr))
+    try:
+      return lowering(ctx, in_nodes, jaxpr, *args, **kwargs)
+    finally:
+      stack.pop()
+
   _shard_map._shardy_shard_map_sharding = typed
+  _shard_map._shard_map_lowering_shardy = lower
+
+
+def _built_here(jaxpr) -> bool:
+  """Whether a shard_map's body `jaxpr` comes from a function defined in jaxaccum (`debug_info.func_src_info`,
+  "name at path:line"; a `functools.partial`'s function is the one named)."""
+  info = getattr(getattr(jaxpr, "debug_info", None), "func_src_info", None) or ""
+  _, at, where = info.rpartition(" at ")
+  return bool(at) and os.path.abspath(where.rsplit(":", 1)[0]).startswith(_PACKAGE_DIR)
+
+
+def _typed_boundary_spec(spec, aval, manual_axes):
+  """`aval`'s own spec where its mesh's axes are all Explicit or Manual and it splits every dimension over the same
+  manual axes as `spec` (JAX's, from in_specs/out_specs); `spec` otherwise."""
+  sharding = getattr(aval, "sharding", None)
+  m = getattr(sharding, "mesh", None)
+  # The mesh's "every axis Explicit or Manual" (0.10 names it with a leading underscore, 0.12 without).
+  every = getattr(m, "_are_all_axes_explicit_or_manual", None) or getattr(m, "are_all_axes_explicit_or_manual", False)
+  if sharding is None or m is None or m.empty or not every:
+    return spec
+  own = sharding.spec
+  ndim = len(getattr(aval, "shape", ()))
+  manual = set(manual_axes)
+
+  def names(s, i):
+    parts = getattr(s, "partitions", None)  # not `s[i]`: JAX refuses it on a spec with unreduced axes
+    parts = tuple(s) if parts is None else tuple(parts)
+    e = parts[i] if i < len(parts) else None
+    e = () if e is None or e is jax.sharding.PartitionSpec.UNCONSTRAINED else e if isinstance(e, tuple) else (e,)
+    return tuple(n for n in e if n in manual)
+
+  if any(names(own, i) != names(spec, i) for i in range(max(ndim, len(own.partitions), len(spec.partitions)))):
+    return spec
+  return own
 
 
 def jnp_calls_kept(fn):

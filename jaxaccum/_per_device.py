@@ -2,9 +2,10 @@
 
 `ja.grad` and `make_train_step` on a mesh run the user's loss on each device's
 own rows inside a `jax.shard_map` manual over the data axes. The loss is traced
-once outside it and its annotations localised (`_program`); what is left that
-cannot run there is code JAX traces later, inside the map (a sharding annotation
-in a custom_vjp's bwd rule), and a loss that closes over the sharded batch.
+once outside it and its annotations localised (`_program`, a custom_vjp's bwd
+rule too: traced outside the map on the cotangents' types, then localised); what
+is left that cannot run there is a bwd rule that does not trace outside the map
+either, and a loss that closes over the sharded batch.
 JAX's errors about them come from deep inside; both entry points turn them into
 one jaxaccum message that names the construct and what works instead.
 """
@@ -43,8 +44,9 @@ def explain(e: Exception, axis_name, *, entry: str, instead: str) -> Exception |
       f"{entry}: the loss annotates a sharding over the data axis {name!r} (with_sharding_constraint, "
       f"jax.sharding.reshard(x, P({name!r}, ...)) or out_sharding=P({name!r}, ...)) in code that JAX traces only "
       f"when it transposes: a custom derivative's backward rule (a jax.custom_vjp's bwd). {entry} localises the "
-      f"annotations of the loss it traced (custom_jvp and custom_vjp forward rules included), but a bwd rule is "
-      f"traced on the cotangents, inside its per-device map (a jax.shard_map manual over {name!r}), where that axis "
+      f"annotations of the loss it traced (custom_jvp and custom_vjp forward and backward rules included), but this "
+      f"bwd rule could not be traced outside the map (on the cotangents' types, or on the types the loss's trace "
+      f"gave them), so it ran inside its per-device map (a jax.shard_map manual over {name!r}), where that axis "
       f"cannot be named: drop the {name!r} entries from the annotations in the bwd rule (the rows are already "
       f"split), or {instead}"
     )
@@ -53,8 +55,9 @@ def explain(e: Exception, axis_name, *, entry: str, instead: str) -> Exception |
       f"{entry}: the loss annotates a sharding as unconstrained (P.UNCONSTRAINED, or with_sharding_constraint(x, "
       f"jax.typeof(x).sharding.spec), which is unconstrained per device) in code that JAX traces only when it "
       f"transposes: a custom derivative's backward rule (a jax.custom_vjp's bwd). {entry} localises the "
-      f"annotations of the loss it traced, but a bwd rule is traced on the cotangents, inside its per-device map (a "
-      f"jax.shard_map manual over every axis of {name!r}), where JAX refuses an unconstrained entry: drop the "
+      f"annotations of the loss it traced, bwd rules included, but this bwd rule could not be traced outside the map, "
+      f"so it ran inside its per-device map (a jax.shard_map manual over every axis of {name!r}), where JAX "
+      f"refuses an unconstrained entry: drop the "
       f"annotation from the bwd rule, or {instead}"
     )
   axes = (name,) if isinstance(name, str) else name

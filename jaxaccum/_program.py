@@ -438,7 +438,9 @@ class _Localiser:
     )
 
   def eqn(self, e):
-    params = {k: self.param(k, v) for k, v in e.params.items()}
+    # A custom_vjp's fwd and bwd meet here: the bwd is traced on the types the fwd's trace gave its residuals.
+    link = _VjpLink(e) if "bwd" in e.params and "fwd_jaxpr_thunk" in e.params else None
+    params = {k: self.param(k, v, link) for k, v in e.params.items()}
     return jex_core.new_jaxpr_eqn(
       [self.var(v) for v in e.invars],
       [self.var(v) for v in e.outvars],
@@ -456,13 +458,13 @@ class _Localiser:
       got = self.contexts[ctx] = _jax_private.eqn_context(ctx, self.mesh(m) if not m.empty else self.inside)
     return got
 
-  def param(self, name, v):
+  def param(self, name, v, link=None):
     if name in _MANUAL_PARAMS and isinstance(v, (frozenset, set, tuple)):
       return type(v)(a for a in v if a not in self.data)
     if name in _RULE_THUNKS and isinstance(v, _jax_private.WrappedFun):
-      return self.rule(v)
+      return self.rule(v, link)
     if name == "bwd" and isinstance(v, _jax_private.WrappedFun):
-      return self.bwd(v)
+      return self.bwd(v, link)
     if name == _PRIMAL_THUNK and callable(v):
       return self.primal(v)
     return self.value(v)
@@ -482,8 +484,22 @@ class _Localiser:
 
     return traced
 
-  def bwd(self, bwd):
-    """A custom_vjp's (flattened) bwd: its outputs checked against the primal avals as seen inside the map.
+  def bwd(self, bwd, link=None):
+    """A custom_vjp's (flattened) bwd, run inside the map with its annotations localised.
+
+    JAX traces a bwd rule on the cotangents, inside the per-device map, where
+    the data axes are manual: an annotation written for the global batch
+    (`with_sharding_constraint(g, P("data", ...))`, `reshard`) would be refused
+    there. It is traced instead under the trace's mesh (the data axes not
+    manual), its jaxpr localised and evaluated on the map's values, as the
+    loss is. First on the types its arguments have inside the map (`map_types`:
+    what it met there before, so a rule that ran there runs the same); if that
+    trace fails (an Explicit-mesh `with_sharding_constraint` asserting the rows'
+    split over "data"), on the types the loss's trace gave its residuals and
+    cotangents (`_VjpLink`), as the user's own jit types them; if that fails
+    too, or a symbolic zero is among its arguments, it runs inside the map as
+    JAX runs it (and JAX's error, explained by `_per_device`, is what the user
+    sees).
 
     JAX checks the bwd rule's cotangents against the primal avals of the
     original trace (typed on the trace's mesh), which the cotangents computed
@@ -506,23 +522,87 @@ class _Localiser:
           )
       return outs
 
+    memo: dict = {}
+
     def run(*args):
       with _jax_private.disable_bwd_checks():
+        for typed in (self.map_types(args), None if link is None else link.arg_avals(args)):
+          if typed is None:
+            continue
+          key = tuple((s.shape, s.dtype, s.sharding) for s in typed)
+          if key not in memo:
+            try:
+              memo[key] = self.traced_bwd(bwd, typed)
+            except Exception:  # noqa: BLE001  (the next way, and last JAX's own, says what is wrong)
+              memo[key] = None
+          if memo[key] is not None:
+            closed, shape = memo[key]
+            return shape(jex_core.jaxpr_as_fun(closed)(*args), check)
         return _jax_private.call_flat_bwd(bwd, args, check)
 
     return _jax_private.wrap_init(run, debug_info=bwd.debug_info)
 
-  def rule(self, thunk):
+  def map_types(self, args) -> list | None:
+    """The bwd's `args` (values inside the map) typed as they are there, on the trace's mesh: the same types, the
+    data axes not manual. None if one is not an array (a symbolic zero, with `symbolic_zeros=True`)."""
+    if not all(isinstance(x, (jax.Array, jax.core.Tracer)) for x in args):
+      return None
+    explicit = AxisType.Explicit in self.at.axis_types
+
+    def struct(x):
+      a = jax.typeof(x)
+      sharding = getattr(a, "sharding", None)
+      spec = sharding.spec if explicit and isinstance(sharding, NamedSharding) else None
+      return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=None if spec is None else NamedSharding(self.at, spec))
+
+    return [struct(x) for x in args]
+
+  def traced_bwd(self, bwd, typed):
+    """`bwd` traced under the trace's mesh on `typed` (ShapeDtypeStructs), localised: (the jaxpr, a function that
+    rebuilds what the bwd returns from the jaxpr's outputs: its cotangents, symbolic zeros in place, any logs)."""
+    form: list = []
+
+    def flat(*xs):
+      def keep(cts):
+        form.append([(i, c.aval) for i, c in enumerate(cts) if isinstance(c, _jax_private.Zero)])
+        return cts
+
+      out = _jax_private.call_flat_bwd(bwd, xs, keep)
+      cts, logs = out if isinstance(out, tuple) else (out, None)
+      leaves, tree = jax.tree.flatten(logs)
+      form.append((isinstance(out, tuple), tree, len(leaves)))
+      return [c for c in cts if not isinstance(c, _jax_private.Zero)] + leaves
+
+    with jax.sharding.use_abstract_mesh(_EMPTY), jax.sharding.use_abstract_mesh(self.at):
+      closed = jax.make_jaxpr(flat, axis_env=[(a, self.inside.shape[a]) for a in sorted(self.data)])(*typed)
+    local = _Localiser(self.inside, self.data, self.at).closed(closed)
+    zeros, (paired, tree, n_logs) = form
+
+    def shape(outs, check):
+      outs = list(outs)
+      logs = jax.tree.unflatten(tree, outs[len(outs) - n_logs :])
+      cts = outs[: len(outs) - n_logs]
+      for i, aval in zeros:
+        cts.insert(i, _jax_private.Zero(aval))
+      cts = check(cts)
+      return (cts, logs) if paired else cts
+
+    return local, shape
+
+  def rule(self, thunk, link=None):
     """A custom_jvp's jvp / custom_vjp's fwd thunk: traced under the trace's mesh, its jaxpr localised.
 
     JAX traces the rule when it differentiates, on the avals of the original
     trace (typed on the trace's mesh); traced inside the map instead, a
     `full_like` of such an aval (relu's jvp) would name the trace's mesh.
+    A custom_vjp's fwd tells `link` the types of the residuals it returns.
     """
 
     def traced(*zeros):
       with jax.sharding.use_abstract_mesh(_EMPTY), jax.sharding.use_abstract_mesh(self.at):
         jaxpr, consts, *rest = thunk.call_wrapped(*zeros)
+      if link is not None:
+        link.fwd = jaxpr
       return (_Localiser(self.inside, self.data, self.at).jaxpr(jaxpr), consts, *rest)
 
     return _jax_private.wrap_init(traced, debug_info=thunk.debug_info)
@@ -548,3 +628,49 @@ class _Localiser:
         return v
       return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
     return v
+
+
+def _typed_sharding(aval):
+  """The sharding a `ShapeDtypeStruct` of `aval` carries: its own on a mesh with Explicit axes, else none."""
+  sharding = getattr(aval, "sharding", None)
+  if isinstance(sharding, NamedSharding) and AxisType.Explicit in sharding.mesh.axis_types:
+    return sharding
+  return None
+
+
+class _VjpLink:
+  """What a `custom_vjp_call` equation's localised bwd needs from its fwd: the types of the bwd's arguments.
+
+  JAX calls the bwd on `(*residuals, *cotangents)`. As the loss's trace types them (on the trace's mesh): the
+  residuals are the fwd's first outputs, except those that are the equation's own inputs (`out_trees()`'s
+  input forwards, indices into its operands), and the cotangents are typed as the equation's outputs. The fwd
+  (`_Localiser.rule`) records its jaxpr, traced on the trace's mesh, in `fwd`.
+  """
+
+  def __init__(self, eqn):
+    self.ins = [v.aval for v in eqn.invars]
+    self.outs = [v.aval for v in eqn.outvars]
+    self.out_trees = eqn.params.get("out_trees")
+    self.fwd = None
+
+  def arg_avals(self, args) -> list | None:
+    """The trace's types of the bwd's `args` (inside the map), or None where they cannot be told."""
+    if self.fwd is None or not callable(self.out_trees):
+      return None
+    try:
+      _, res_tree, forwards = self.out_trees()
+    except Exception:  # noqa: BLE001  (JAX's store not filled: the fwd was not traced for this call)
+      return None
+    n_res = res_tree.num_leaves
+    fwd_outs = [v.aval for v in self.fwd.outvars]
+    produced = iter(fwd_outs[: n_res - sum(f is not None for f in forwards)])
+    res = [next(produced, None) if f is None else self.ins[f] if f < len(self.ins) else None for f in forwards]
+    typed = [*res, *(a.to_ct_aval() for a in self.outs)]
+    if len(typed) != len(args) or any(a is None for a in typed):
+      return None
+    for a, x in zip(typed, args, strict=True):
+      if not isinstance(x, (jax.Array, jax.core.Tracer)) or not isinstance(a, jax.core.ShapedArray):
+        return None  # a symbolic zero (symbolic_zeros=True), a non-array residual
+      if tuple(a.shape) != tuple(jax.numpy.shape(x)) or a.dtype != jax.numpy.result_type(x):
+        return None
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_typed_sharding(a)) for a in typed]

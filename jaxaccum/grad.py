@@ -34,7 +34,8 @@ map, on one device's shapes (`_program`): sharding annotations written for the
 global batch (`reshard`, `out_sharding=P("data", ...)`) are localised there, the
 data axis dropped from their specs. A loss that closes over a batch sharded over
 the axis cannot run per device and is refused by name (`_per_device.explain`),
-as is an annotation in a custom derivative's rule. The pieces are module
+as is an annotation in a custom derivative's bwd rule that does not trace outside the map
+(one that does is localised like the loss's own). The pieces are module
 functions over `_Config` (what was given) and `_Args` (one call's arguments). JAX 0.10 limits (see
 `_unreduced`): the mesh's other axes must have size 1 (a "model" axis beside the data
 axis needs a JAX that types a partly manual map's output unreduced, 0.12; the map is
@@ -195,8 +196,9 @@ def value_and_grad(
       the mesh, or a mesh with another axis of size > 1 on a JAX that cannot
       leave a partly manual map's output unreduced (0.10); a closure
       over a sharded batch; a sharding annotation naming the axis inside a
-      custom derivative's rule; each says what to use instead. TypeError: bad `argnums`,
-      `weight_fn` not callable, a non-floating "mean" aux leaf, a non-scalar loss.
+      custom derivative's bwd rule that does not trace outside the map; each
+      says what to use instead. TypeError: bad `argnums`, `weight_fn` not
+      callable, a non-floating "mean" aux leaf, a non-scalar loss.
   """
   cfg = _config(fun, argnums, axis_name, has_aux, weight_fn, key_argnum, aux_reductions)
 

@@ -38,10 +38,11 @@ Not generated, because JAX itself refuses them in the same setting:
   where the input is sharded on `Explicit` axes is not implemented",
   tests/test_fuzz_nested.py shows it), and so does jaxaccum, by name. It is
   used as Explicit-sharding code uses a sharded table: `reshard(t, P())`;
-- in a custom_vjp's bwd, an annotation naming "data" or unconstrained: JAX
-  traces the bwd on the cotangents, per device, where every axis is manual and
-  JAX refuses both (in a user's own shard_map too); jaxaccum refuses them by
-  name (tests/test_program.py). The bwd annotates replicated, or not at all.
+- in a custom_vjp's bwd, an annotation naming "data" or unconstrained: in a
+  user's own shard_map JAX traces the bwd per device, where every axis is
+  manual, and refuses both; jaxaccum traces a bwd outside its map and localises
+  it (tests/test_program.py covers those). The generator's bwd annotates
+  replicated, or not at all.
 """
 
 from __future__ import annotations

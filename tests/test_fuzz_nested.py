@@ -102,8 +102,8 @@ def test_jax_refuses_a_closure_over_an_array_sharded_on_an_explicit_axis_in_a_sh
 
 def test_jax_refuses_an_unconstrained_annotation_where_every_axis_is_manual():
   """`with_sharding_constraint(x, P(P.UNCONSTRAINED, ...))` in a user's own shard_map manual over every axis, as a
-  custom_vjp's bwd runs per device: JAX refuses it. The loss's own annotations are localised; a bwd rule's are
-  traced per device (refused by name, tests/test_program.py), so the generator's bwd annotates replicated."""
+  custom_vjp's bwd runs per device: JAX refuses it. The loss's own annotations are localised, a bwd rule's too
+  where it traces outside the map (tests/test_program.py); the generator's bwd annotates replicated."""
   mesh = fz.mesh_for("auto")
   body = lambda x: jax.lax.with_sharding_constraint(x, P(P.UNCONSTRAINED, P.UNCONSTRAINED))
   f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
