@@ -94,7 +94,8 @@ def step(cfg: Config, given, params, state, opt_state, batch, key, *, state_repl
   a host value, an uncommitted array), read from the concrete arguments by the caller (`TrainStep._prepare`).
   """
   if cfg.mesh is None:
-    cfg = cfg._replace(aux_reductions=_aux_rule(cfg, None, params, state, batch, key))
+    program = _traced(cfg, params, state, batch, key)  # once, as on a mesh (its checks read this trace)
+    cfg = cfg._replace(loss_fn=program, aux_reductions=_aux_rule(cfg, program, params, state, batch, key))
     grads, out = _local(cfg, None, params, state, batch, key)
     return _update(cfg, None, params, state, opt_state, jax.tree.unflatten(jax.tree.structure(params), grads), out)
   plan, mesh = cfg.plan, cfg.mesh
@@ -146,8 +147,8 @@ def _traced(cfg: Config, params, state, batch, key) -> _program.Program:
   (the docs' hand-written data-parallel loss, with psum/pmean inside) is
   refused by name: the step splits the batch and reduces the gradient itself.
   """
-  axes = cfg.plan.batch_axes
-  devices = int(np.prod([cfg.mesh.shape[a] for a in axes]))
+  axes = () if cfg.plan is None else cfg.plan.batch_axes
+  devices = int(np.prod([cfg.mesh.shape[a] for a in axes]))  # 1 without a mesh
   rows = lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] // (devices * cfg.k), *np.shape(x)[1:]), x.dtype)
   args = (params, *((state,) if cfg.has_state else ()), jax.tree.map(rows, batch))
   args += () if key is None else (key,)
@@ -155,7 +156,9 @@ def _traced(cfg: Config, params, state, batch, key) -> _program.Program:
     batch_at = len(args) - 1 - (key is not None)
     program = _program.trace(cfg.loss_fn, args, mesh=cfg.mesh, data_axes=axes, batch_argnums=(batch_at,))
   except Exception as e:
-    explained = _per_device.explain(e, axes[0] if len(axes) == 1 else axes, entry="make_train_step", instead=_INSTEAD)
+    explained = None
+    if axes:  # on one device the loss runs as the user's own jit runs it: JAX's errors are the user's
+      explained = _per_device.explain(e, axes[0] if len(axes) == 1 else axes, entry="make_train_step", instead=_INSTEAD)
     if explained is None:
       raise
     raise explained from e
@@ -183,11 +186,8 @@ def _aux_rule(cfg: Config, program, params, state, batch, key):
 
   def outputs_at(at):
     resized = jax.tree.map(lambda x: jax.ShapeDtypeStruct((at * devices, *np.shape(x)[1:]), x.dtype), batch)
-    if cfg.mesh is not None:
-      prog = program if at == rows else _traced(cfg._replace(k=1), params, state, resized, key)
-      return jax.tree.unflatten(prog.out_tree, prog.closed.out_avals)
-    args = (params, *((state,) if cfg.has_state else ()), resized, *(() if key is None else (key,)))
-    return jax.eval_shape(cfg.loss_fn, *args)
+    prog = program if at == rows else _traced(cfg._replace(k=1), params, state, resized, key)
+    return jax.tree.unflatten(prog.out_tree, prog.closed.out_avals)
 
   aux = aux_of(outputs_at(rows))
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(aux)]

@@ -62,7 +62,7 @@ class Program:
   Attributes:
     closed: the traced `ClosedJaxpr` (what every check reads).
     data_axes: the mesh axes the per-device map makes manual.
-    at: the mesh it was traced under (`trace_mesh`).
+    at: the mesh it was traced under (`trace_mesh`); None for a step on one device (no mesh).
   """
 
   def __init__(self, closed, in_tree, out_tree, data_axes, at):
@@ -75,7 +75,7 @@ class Program:
     if tree != self.in_tree:
       raise ValueError(f"the loss was traced for arguments {self.in_tree}, called with {tree}")
     inside = jax.sharding.get_abstract_mesh()
-    closed = self._cache.get(inside)
+    closed = self._cache.get(inside) if self.at is not None else self.closed  # no mesh: nothing to localise
     if closed is None:
       closed = self._cache[inside] = localise(self.closed, inside, self.data_axes, self.at)
     out = jex_core.jaxpr_as_fun(closed)(*leaves)
@@ -105,7 +105,7 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), row_axis=None, entry: 
     fn: the user's loss.
     args: its arguments as one device sees them (arrays or ShapeDtypeStructs;
       only shapes and dtypes are read).
-    mesh: the step's mesh.
+    mesh: the step's mesh; None for a step on one device.
     data_axes: the axes the per-device map makes manual.
     batch_argnums: arguments whose leaves are rows split over the data axes
       (on Explicit meshes typed over `row_axis` on their leading dimension; the
@@ -120,8 +120,8 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), row_axis=None, entry: 
       device's rows (`explain_trace_error`); JAX's own error otherwise.
   """
   data_axes = tuple(data_axes)
-  at = trace_mesh(mesh, data_axes)
-  explicit = any(t == AxisType.Explicit for t in at.axis_types)
+  at = None if mesh is None else trace_mesh(mesh, data_axes)
+  explicit = at is not None and any(t == AxisType.Explicit for t in at.axis_types)
   rows = row_axis if row_axis is not None else data_axes[0] if len(data_axes) == 1 else None
 
   def aval(x, batch):
@@ -146,6 +146,12 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), row_axis=None, entry: 
     outs, tree = jax.tree.flatten(out)
     out_tree.append(tree)
     return outs
+
+  if mesh is None:
+    # A step on one device (no mesh): the loss traced once, as the user's own jit traces it (no mesh entered,
+    # nothing localised), and evaluated as traced; its checks read this trace, as on a mesh.
+    closed = jax.make_jaxpr(_jax_private.jnp_calls_kept(flat))(*leaves)
+    return Program(closed, in_tree, out_tree[0], (), None)
 
   step_mesh = mesh.abstract_mesh
 

@@ -161,6 +161,31 @@ def test_a_tree_of_keys_is_folded_per_device_and_microbatch(problem, devices):
     step(params, opt.init(params), data, {**keys, "bad": jnp.zeros(3)})
 
 
+@pytest.mark.parametrize("aux", ["none", "per_example"])
+def test_the_loss_runs_as_often_with_and_without_a_mesh(problem, aux):
+  """The loss's Python body runs once per build (plus the documented probe at twice the rows when an aux leaf
+  may be per-example), on one device as on a mesh. Before (issue 49), without a mesh it ran two or three times."""
+  params, _, data = problem
+  calls = []
+
+  def loss_fn(p, batch):
+    calls.append(1)
+    value = mse_loss(p, batch)
+    if aux == "none":
+      return value
+    return value, {"rows": jnp.sum(batch[0], -1), "mean": value}
+
+  opt = optax.sgd(0.1)
+  counts = {}
+  for devices in (None, 4):
+    calls.clear()
+    mesh = None if devices is None else ja.data_mesh(devices=jax.devices()[:4])
+    step = ja.make_train_step(loss_fn, opt, num_microbatches=2, mesh=mesh, has_aux=aux != "none", donate=False)
+    step.lower(params, opt.init(params), data)
+    counts[devices] = len(calls)
+  assert counts[None] == counts[4] == (1 if aux == "none" else 2), counts
+
+
 def loss_for_hlo(params, batch):
   return mse_loss(params, batch)
 
