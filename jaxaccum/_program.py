@@ -120,8 +120,8 @@ def trace(fn, args, *, mesh, data_axes, batch_argnums=(), row_axis=None, entry: 
       device's rows (`explain_trace_error`); JAX's own error otherwise.
   """
   data_axes = tuple(data_axes)
-  at = None if mesh is None else trace_mesh(mesh, data_axes)
-  explicit = at is not None and any(t == AxisType.Explicit for t in at.axis_types)
+  at = _EMPTY if mesh is None else trace_mesh(mesh, data_axes)
+  explicit = mesh is not None and any(t == AxisType.Explicit for t in at.axis_types)
   rows = row_axis if row_axis is not None else data_axes[0] if len(data_axes) == 1 else None
 
   def aval(x, batch):
