@@ -76,6 +76,18 @@ def problem():
   return params, mse_loss, regression_data(jax.random.PRNGKey(1), 120)
 
 
+def numbers_in(tree, path=""):
+  """(path, number) for every int/float leaf of a JSON-like tree (a bench report): what its checks read."""
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from numbers_in(v, f"{path}.{k}")
+  elif isinstance(tree, (list, tuple)):
+    for i, v in enumerate(tree):
+      yield from numbers_in(v, f"{path}[{i}]")
+  elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+    yield path, tree
+
+
 def smoke(values, keep):
   """`values` as pytest params, all but those in `keep` marked slow: the default run keeps a smoke subset
   of a grid (each cell one compile), `.ci/run`'s slow step runs the rest. A tuple is one value per

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import numbers_in
 
 # The sections, read off the package independently of `bench.SECTIONS`: every module of jaxaccum/bench/ but the
 # shared ones (a new section module must be registered, and a registered one must exist).
@@ -15,17 +16,6 @@ SECTIONS = (
   frozenset(p.stem for p in (pathlib.Path(__file__).resolve().parent.parent / "jaxaccum" / "bench").glob("*.py"))
   - SHARED
 )
-
-
-def _numbers(tree, path=""):
-  if isinstance(tree, dict):
-    for k, v in tree.items():
-      yield from _numbers(v, f"{path}.{k}")
-  elif isinstance(tree, (list, tuple)):
-    for i, v in enumerate(tree):
-      yield from _numbers(v, f"{path}[{i}]")
-  elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
-    yield path, tree
 
 
 @pytest.mark.slow  # every section compiled in a subprocess (minutes): .ci/run's second step
@@ -46,7 +36,7 @@ def test_bench_quick_report(tmp_path):
   for s in report["sections"]:
     assert s["title"] and s["markdown"].count("|") > 4, s
     assert f"## {s['title']}" in proc.stdout
-  ratios = [(p, v) for p, v in _numbers(report) if "ratio" in p]
+  ratios = [(p, v) for p, v in numbers_in(report) if "ratio" in p]
   assert ratios
   for path, value in ratios:
     assert math.isfinite(value) and value > 0, (path, value)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import numbers_in
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 IDS = {
@@ -35,17 +36,6 @@ ROWS = {
   IDS["noise"]: {"ja.accumulate", "+ noise_scale_ema=0.99", "+ noise_scale_sample=1"},
 }
 VERDICT = re.compile(r"met|not met|within noise, median (over|under)")
-
-
-def _numbers(tree, path=""):
-  if isinstance(tree, dict):
-    for k, v in tree.items():
-      yield from _numbers(v, f"{path}.{k}")
-  elif isinstance(tree, (list, tuple)):
-    for i, v in enumerate(tree):
-      yield from _numbers(v, f"{path}[{i}]")
-  elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
-    yield path, tree
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +99,7 @@ def test_quick_report_figures_are_finite_and_positive(quick_run):
   _, report, _ = quick_run
   for s in report["sections"]:
     for case in (v for k, v in s["data"].items() if k != "run"):
-      for path, value in _numbers({"seconds": case["timing"]["seconds"], "ratio": case["timing"]["ratio"]}):
+      for path, value in numbers_in({"seconds": case["timing"]["seconds"], "ratio": case["timing"]["ratio"]}):
         assert math.isfinite(value) and value > 0, (s["id"], path, value)
       peaks = case["peak_bytes"]
       # Every row with one jitted step has a peak (the plain-API floor is two: allocator statistics only).
