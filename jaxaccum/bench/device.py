@@ -455,28 +455,30 @@ def _accumulate_result(entries: list[dict], s: Sizes, h: dict, use_stats: bool) 
       "peak_bytes": peaks,
       "verdicts": verdicts,
     }
-  md = [
-    header_line(h),
-    "",
+  return _result(
+    "device: accumulate against optax.MultiSteps",
+    h,
     f"{s.describe()}; time per window of K={s.acc_k} micro-steps through the plain optax API (`update`, then "
     "`optax.apply_updates` in the same jit, donated: `bench.accumulate`'s runners); the plain-API floor is one "
     "jitted gradient-and-add per micro-step with a params-sized zero update decided at run time, and one update "
     f"per window. Targets (at B={bench_accumulate.TARGET_MICRO_BATCH}): ja.accumulate <= 0.70x optax.MultiSteps "
     'and <= 1.05x the plain-API floor; a verdict is "within noise" when the min-max range of its rounds straddles '
     f"the bound. {_peak_note(use_stats)}",
-    "",
-    "| case | method | ms / window | vs optax.MultiSteps | vs plain-API floor | peak MiB | peak vs MultiSteps | "
-    "target |",
-    "|---|---|---:|---:|---:|---:|---:|---|",
-    *rows,
-    "",
-    *notes,
-  ]
-  return {
-    "title": "device: accumulate against optax.MultiSteps",
-    "markdown": "\n".join(md),
-    "data": data,
-  }
+    [
+      "| case | method | ms / window | vs optax.MultiSteps | vs plain-API floor | peak MiB | peak vs MultiSteps | "
+      "target |",
+      "|---|---|---:|---:|---:|---:|---:|---|",
+    ],
+    rows,
+    notes,
+    data,
+  )
+
+
+def _result(title: str, h: dict, description: str, header: list[str], rows: list, notes: list, data: dict) -> dict:
+  """A bench result: the run's header line, what was measured, the table and its notes."""
+  md = [header_line(h), "", description, "", *header, *rows, "", *notes]
+  return {"title": title, "markdown": "\n".join(md), "data": data}
 
 
 def _microbatch_result(entries: list[dict], s: Sizes, h: dict, use_stats: bool) -> dict:
@@ -518,27 +520,23 @@ def _microbatch_result(entries: list[dict], s: Sizes, h: dict, use_stats: bool) 
       "peak_bytes": peaks,
       "verdicts": verdicts,
     }
-  md = [
-    header_line(h),
-    "",
+  return _result(
+    "device: microbatch and make_train_step",
+    h,
     f"{s.describe()}; one jitted, donated step of B={s.mb_rows} rows on one device, K={k} microbatches of "
     f"{s.mb_rows // k} rows: the plain full-batch step (`jax.grad`, `update`, `apply_updates`), "
     "`ja.make_train_step` (K=1 and K; its finite check included), `ja.microbatch(jax.value_and_grad(loss), K)` "
     "in the same plain step, `optax.microbatching.microbatch` (mean) in it, and a hand-written `lax.scan`. "
     "Targets: ja.microbatch and ja.make_train_step at K <= 1.05x the full batch and <= 1.00x optax.microbatching "
     f"(taken within each round). {_peak_note(use_stats)}",
-    "",
-    "| step | ms / step | vs full batch | vs optax.microbatching | peak MiB | peak vs full batch | target |",
-    "|---|---:|---:|---:|---:|---:|---|",
-    *rows,
-    "",
-    *notes,
-  ]
-  return {
-    "title": "device: microbatch and make_train_step",
-    "markdown": "\n".join(md),
-    "data": data,
-  }
+    [
+      "| step | ms / step | vs full batch | vs optax.microbatching | peak MiB | peak vs full batch | target |",
+      "|---|---:|---:|---:|---:|---:|---|",
+    ],
+    rows,
+    notes,
+    data,
+  )
 
 
 def _noise_result(entries: list[dict], s: Sizes, h: dict, use_stats: bool) -> dict:
@@ -563,22 +561,22 @@ def _noise_result(entries: list[dict], s: Sizes, h: dict, use_stats: bool) -> di
       "peak_bytes": peaks,
       "verdicts": verdicts,
     }
-  md = [
-    header_line(h),
-    "",
+  return _result(
+    "device: noise-scale overhead",
+    h,
     f"{s.describe()}; time per window of K={s.noise_k} micro-steps through the plain update API, jitted and "
     "donated, against ja.accumulate alone; `noise_scale_ema=0.99` measures the gradient noise scale every "
     "microbatch, `noise_scale_sample=1` on the window's first only. Target: <= 2% more wall time with the noise "
     f'scale measured (a verdict is "within noise" when the min-max range of its rounds straddles it). '
     f"{_peak_note(use_stats)}",
-    "",
-    "| case | variant | ms / window | overhead | peak MiB | peak vs accumulate | <= 2% |",
-    "|---|---|---:|---:|---:|---:|---|",
-    *rows,
-    "",
-    *notes,
-  ]
-  return {"title": "device: noise-scale overhead", "markdown": "\n".join(md), "data": data}
+    [
+      "| case | variant | ms / window | overhead | peak MiB | peak vs accumulate | <= 2% |",
+      "|---|---|---:|---:|---:|---:|---|",
+    ],
+    rows,
+    notes,
+    data,
+  )
 
 
 _RESULTS = {"accumulate": _accumulate_result, "microbatch": _microbatch_result, "noise": _noise_result}
