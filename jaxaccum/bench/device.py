@@ -446,8 +446,7 @@ def _accumulate_result(entries: list[dict], s: Sizes, h: dict, use_stats: bool) 
         f"{ratio_cell(vs['plain-API floor'][name])} | {_mib(peaks.get(name))} | "
         f"{_peak_ratio(peaks, name, 'optax.MultiSteps')} | {target} |"
       )
-    notes.append(f"{e['case']}: {timing_note(t)}")
-    notes += [f"{e['case']}, {n}: peak not measured ({why})." for n, why in e["peak_errors"].items()]
+    notes += _case_notes(e, t)
     data[e["case"]] = {
       "timing": t,
       "seconds_per_window": t["seconds"],
@@ -473,6 +472,13 @@ def _accumulate_result(entries: list[dict], s: Sizes, h: dict, use_stats: bool) 
     notes,
     data,
   )
+
+
+def _case_notes(e: dict, t: dict) -> list[str]:
+  """A case's notes under its table: how its timing went, and each row whose peak was not measured, and why."""
+  return [f"{e['case']}: {timing_note(t)}"] + [
+    f"{e['case']}, {n}: peak not measured ({why})." for n, why in e["peak_errors"].items()
+  ]
 
 
 def _result(title: str, h: dict, description: str, header: list[str], rows: list, notes: list, data: dict) -> dict:
@@ -510,8 +516,7 @@ def _microbatch_result(entries: list[dict], s: Sizes, h: dict, use_stats: bool) 
       )
     if not has_optax:
       notes.append(f"optax {h['optax']} has no `optax.microbatching.microbatch`: that row is left out.")
-    notes.append(f"{e['case']}: {timing_note(t)}")
-    notes += [f"{n}: peak not measured ({why})." for n, why in e["peak_errors"].items()]
+    notes += _case_notes(e, t)
     data[e["case"]] = {
       "timing": t,
       "seconds": t["seconds"],
@@ -552,8 +557,7 @@ def _noise_result(entries: list[dict], s: Sizes, h: dict, use_stats: bool) -> di
         f"| {e['case']} | {name} | {t['seconds'][name] * 1e3:.2f} | {ratio_cell(t['ratio'][name], percent=True)} | "
         f"{_mib(peaks.get(name))} | {_peak_ratio(peaks, name, 'ja.accumulate')} | {verdicts.get(name, '')} |"
       )
-    notes.append(f"{e['case']}: {timing_note(t)}")
-    notes += [f"{e['case']}, {n}: peak not measured ({why})." for n, why in e["peak_errors"].items()]
+    notes += _case_notes(e, t)
     data[e["case"]] = {
       "timing": t,
       "seconds_per_window": t["seconds"],

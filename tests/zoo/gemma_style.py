@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from jaxaccum.bench.model_axis import token_batch
 
 ACT_BTD = P("data", None, "model")
 ACT_BTF = P("data", None, "model")
@@ -97,7 +98,5 @@ def model(dtype=jnp.float32):
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs(params), is_leaf=lambda x: isinstance(x, P))
   with jax.set_mesh(mesh):
     placed = jax.device_put(params, shardings)
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(1, 64, (16, 9))
-  batch = {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)}
+  batch = token_batch(0, rows=16, seq=8, vocab=64)  # the bench models' token batch
   return "Gemma-style (Flax example's fsdp + tp layout, Explicit mesh)", loss, placed, batch, mesh
