@@ -74,6 +74,19 @@ def test_a_cell_that_reads_as_a_link_reference_is_escaped():
   assert figures._escape_brackets(out) == out
 
 
+def test_a_whole_result_with_escaped_cells_equals_its_own_rewritten_page():
+  # The page holds the escaped table (`render`); `--verify` compares a fresh result with it: the fresh markdown is
+  # escaped alike, or every breakdown table reads as differing (CI at 498f74d).
+  table = "| case | buffer |\n|---|---|\n| a | params['layers']['w_up'] |"
+  results = _results(markdown="Where the bytes go.\n\n" + table)
+  page, _ = figures.rewrite("<!-- bench:demo/two-tables -->\n<!-- /bench -->\n", results)
+  assert "params['layers']\\['w_up']" in page
+  (m,) = figures.regions(page)
+  assert figures._compare(m, results["demo/two-tables"], None, "page.md") == []
+  other = _results(markdown="Where the bytes go.\n\n" + table.replace("w_up", "w_gate"))["demo/two-tables"]
+  assert figures._compare(m, other, None, "page.md")  # and a real difference is still one
+
+
 def test_bad_region_options_are_refused_by_name():
   with pytest.raises(ValueError, match="option"):
     figures.rewrite("<!-- bench:demo/two-tables colour=red --><!-- /bench -->", _results())
