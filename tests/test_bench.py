@@ -18,11 +18,12 @@ SECTIONS = (
 )
 
 
-@pytest.mark.slow  # every section compiled in a subprocess (minutes): .ci/run's second step
-def test_bench_quick_report(tmp_path):
+@pytest.mark.slow  # each section compiled in a subprocess (seconds to minutes): CI samples the cells by date
+@pytest.mark.parametrize("section", sorted(SECTIONS))
+def test_bench_quick_report(section, tmp_path):
   out = tmp_path / "bench.json"
   proc = subprocess.run(
-    [sys.executable, "-m", "jaxaccum.bench", "--quick", "--json", str(out)],
+    [sys.executable, "-m", "jaxaccum.bench", "--quick", "--sections", section, "--json", str(out)],
     capture_output=True,
     text=True,
     timeout=900,
@@ -31,15 +32,47 @@ def test_bench_quick_report(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(out.read_text())
   assert report["header"]["quick"] is True
-  sections = {s["section"] for s in report["sections"]}
-  assert sections == SECTIONS
+  assert {s["section"] for s in report["sections"]} == {section}
   for s in report["sections"]:
     assert s["title"] and s["markdown"].count("|") > 4, s
     assert f"## {s['title']}" in proc.stdout
-  ratios = [(p, v) for p, v in numbers_in(report) if "ratio" in p]
-  assert ratios
-  for path, value in ratios:
+  numbers = list(numbers_in(report))
+  assert numbers
+  for path, value in [(p, v) for p, v in numbers if "ratio" in p]:  # the fit section has none: its check below
     assert math.isfinite(value) and value > 0, (path, value)
+  check = {"fit": _check_fit_quick, "model_axis": _check_compile_time_quick}.get(section)
+  if check is not None:
+    check({s["title"]: s for s in report["sections"]})
+
+
+def _check_fit_quick(results):
+  """The fit section plans the smallest K whose compiled peak fits each budget."""
+  from jaxaccum.bench import fit
+
+  (result,) = results.values()
+  rows, plans = result["data"]["rows"], result["data"]["plans"]
+  assert {r["case"] for r in rows} == {fit.PLAIN_FSDP, "fsdp per_microbatch"}
+  assert all(r["plain_peak_bytes"] > 0 for r in rows)
+  for key, plan in plans.items():
+    case, budget = key.split("/")
+    size = float(budget.split()[0]) * 2 ** (30 if budget.endswith("GiB") else 20)
+    fitting = [r["K"] for r in rows if r["case"] == case and r["peak_bytes"] <= size]
+    assert plan["K"] == (min(fitting) if fitting else None), (key, plan, rows)
+  for r in rows:
+    assert r["peak_bytes"] > 0 and r["floor_bytes"] > 0 and r["axis_bytes"]["data"] > 0
+
+
+def _check_compile_time_quick(results):
+  """The model-axis section's compile-time table: each step against its plain baseline (and the skip's)."""
+  from jaxaccum.bench import compile_time
+
+  (result,) = [r for r in results.values() if "models" in r["data"]]
+  for model in result["data"]["models"]:
+    assert set(model["ratio"]) == set(compile_time.BASELINE)  # each jaxaccum step against its plain baseline
+    assert all(q["min"] <= q["median"] <= q["max"] for q in model["ratio"].values())
+    # The plain steps with the skip against the plain steps, and each jaxaccum step that keeps the check against
+    # them (the ", no check" steps are read against the plain steps alone, in "ratio").
+    assert set(model["skip_ratio"]) == set(compile_time.WITH_SKIP) | set(compile_time.WITH_SKIP.values())
 
 
 def test_bench_is_a_subpackage_with_one_module_per_section():
@@ -139,39 +172,6 @@ def test_fit_models_llama_3_8b_from_shapes():
   assert round(sum(x.size for x in jax.tree.leaves(fit.abstract_params(fit.GEMMA_2B))) / 1e7) == 251
   plains = {c.name for c in fit.CASES if c.strategy == "plain"}
   assert all(c.plain in plains for c in fit.CASES) and len(plains) == 3
-
-
-@pytest.mark.slow  # eight compiles of the quick model (a minute)
-def test_fit_section_quick_plans_the_smallest_k_that_fits():
-  from jaxaccum.bench import fit
-
-  (result,) = fit.run(quick=True)
-  rows, plans = result["data"]["rows"], result["data"]["plans"]
-  assert {r["case"] for r in rows} == {fit.PLAIN_FSDP, "fsdp per_microbatch"}
-  assert all(r["plain_peak_bytes"] > 0 for r in rows)
-  for key, plan in plans.items():
-    case, budget = key.split("/")
-    size = float(budget.split()[0]) * 2 ** (30 if budget.endswith("GiB") else 20)
-    fitting = [r["K"] for r in rows if r["case"] == case and r["peak_bytes"] <= size]
-    assert plan["K"] == (min(fitting) if fitting else None), (key, plan, rows)
-  for r in rows:
-    assert r["peak_bytes"] > 0 and r["floor_bytes"] > 0 and r["axis_bytes"]["data"] > 0
-  assert result["markdown"].count("|") > 4
-
-
-@pytest.mark.slow  # the quick table: fourteen compiles of a 2-layer transformer, twice (a minute)
-def test_compile_time_table_quick():
-  from jaxaccum.bench import compile_time
-
-  result = compile_time.table(quick=True)
-  assert set(result) == {"title", "markdown", "data"} and result["markdown"].count("|") > 4
-  for model in result["data"]["models"]:
-    assert set(model["ratio"]) == set(compile_time.BASELINE)  # each jaxaccum step against its plain baseline
-    assert all(q["min"] <= q["median"] <= q["max"] for q in model["ratio"].values())
-    # The plain steps with the skip against the plain steps, and each jaxaccum step that keeps the check against
-    # them (the ", no check" steps are read against the plain steps alone, in "ratio").
-    assert set(model["skip_ratio"]) == set(compile_time.WITH_SKIP) | set(compile_time.WITH_SKIP.values())
-    assert {n for n in compile_time.BASELINE if n.endswith(", no check")} <= set(model["ratio"])
 
 
 def test_compile_time_models_are_one_function_listed_or_scanned():

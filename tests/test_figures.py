@@ -215,9 +215,10 @@ def test_check_command_fails_on_a_page_with_a_typed_figure(tmp_path):
   assert proc.returncode == 1 and "README.md:11: figure '0.55x' typed outside a bench region" in proc.stderr
 
 
-def _verify(level):
+def _verify(level, *sections):
+  only = ["--sections", ",".join(sections)] if sections else []
   proc = subprocess.run(
-    [sys.executable, "-m", "jaxaccum.bench.figures", "--verify", level],
+    [sys.executable, "-m", "jaxaccum.bench.figures", "--verify", level, *only],
     capture_output=True,
     text=True,
     timeout=3600,
@@ -231,7 +232,24 @@ def test_deterministic_figures_equal_the_bench_at_head():
   _verify("fast")
 
 
+FULL_SECTIONS = sorted({section for section, _, cost, _ in figures.DETERMINISTIC if cost == "full"})
+
+
 @pytest.mark.slow
-def test_every_deterministic_figure_equals_the_bench_at_head():
-  """Every compiled-memory, collective-count and HLO-bytes table (fsdp, sharded, microbatch memory, ...)."""
-  _verify("full")
+@pytest.mark.parametrize("section", FULL_SECTIONS)
+def test_every_deterministic_figure_equals_the_bench_at_head(section):
+  """Every compiled-memory, collective-count and HLO-bytes table (fsdp, sharded, microbatch memory, ...), one
+  section per cell (CI samples the cells by date: .ci/run)."""
+  _verify("full", section)
+
+
+def test_verify_sections_are_checked_by_name():
+  with pytest.raises(ValueError, match="sections"):
+    figures.recompute("full", ["nope"])
+  proc = subprocess.run(
+    [sys.executable, "-m", "jaxaccum.bench.figures", "--verify", "full", "--sections", "nope"],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 2 and "--sections 'nope'" in proc.stderr

@@ -58,7 +58,8 @@ def test_every_strategy_at_or_under_the_plain_step(strategy, gather, layout, hsd
   kept alive through the loop (a parameter-sized buffer per leaf). Now every cell is <= 1.00x on jax 0.10.2;
   on jax 0.12 fsdp and hsdp at K=4 are up to 1.017x (XLA:CPU packs the per-device logits' buffers of the
   same loss differently from the partitioner's vocabulary-sharded ones): the bound is 1.02x, the target
-  1.00x (issue 48).
+  1.00x (issue 48). At K=4 the same step without the guarantee (`skip_nonfinite=False`'s program) is
+  compiled too: the guarantee costs no memory (<= 1.001x), adam(w) and sgd, every strategy.
   """
   opt = optax.adamw(1e-3) if opt_name == "adamw" else optax.sgd(1e-2)
   axes = ("replica", "data") if hsdp else "data"
@@ -71,8 +72,12 @@ def test_every_strategy_at_or_under_the_plain_step(strategy, gather, layout, hsd
     plain_peak = _peak(plain.lower(*_inputs(mesh, axes, layout, opt)).compile())
     options = {} if gather is None else {"fsdp_gather": gather}
     step = ja.make_train_step(loss, opt, num_microbatches=k, mesh=mesh, strategy=strategy, data_axis=axes, **options)
-    ratios[k] = _peak(step.lower(*_inputs(mesh, axes, strategy, opt)).compile()) / plain_peak
+    args = _inputs(mesh, axes, strategy, opt)
+    with_skip = _peak(step.lower(*args).compile())
+    ratios[k] = with_skip / plain_peak
+  without = _peak(_engine.always_applied(step).lower(*args).compile())  # K=4: the last step built
   assert ratios[1] <= 1.001 and ratios[4] <= 1.02, ratios  # 1.001: a few scalars (float64 weights under x64)
+  assert with_skip <= 1.001 * without, (strategy, with_skip, without)
 
 
 @pytest.mark.parametrize("kind", ["listed", "scanned"])
@@ -103,23 +108,6 @@ def _layerwise_against_reference(kind):
     step = fsdp_bench._ja_step(loss, opt, mesh, k, "fsdp", "per_microbatch")
     ratios[k] = _peak(step.lower(p, s, (x, x)).compile()) / ref_peak
   assert all(r <= 1.05 for r in ratios.values()), ratios
-
-
-@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
-def test_skip_costs_no_memory_on_the_transformer(opt_name):
-  """Each strategy's peak with the guarantee equals the same step's without it (<= 1.001x), adam and sgd."""
-  opt = optax.adam(1e-3) if opt_name == "adam" else optax.sgd(1e-2)
-  loss = fit.make_loss(SMALL)
-  for strategy, gather, _, hsdp in AGAINST_PLAIN:
-    axes = ("replica", "data") if hsdp else "data"
-    names = axes if hsdp else (axes,)
-    mesh = jax.make_mesh((2, 4) if hsdp else (8,), names, axis_types=(AxisType.Auto,) * len(names))
-    options = {} if gather is None else {"fsdp_gather": gather}
-    step = ja.make_train_step(loss, opt, num_microbatches=4, mesh=mesh, strategy=strategy, data_axis=axes, **options)
-    args = _inputs(mesh, axes, strategy, opt)
-    with_skip = _peak(step.lower(*args).compile())
-    without = _peak(_engine.always_applied(step).lower(*args).compile())
-    assert with_skip <= 1.001 * without, (strategy, with_skip, without)
 
 
 def test_memory_breakdown_names_the_buffers_at_the_peak():

@@ -399,13 +399,19 @@ DETERMINISTIC = (
 )
 
 
-def recompute(level: str = "fast") -> dict[str, tuple[dict, tuple | None]]:
-  """{id: (fresh result, columns to compare)} of the deterministic results at `level` ("fast" or "full")."""
+def recompute(level: str = "fast", sections: Iterable[str] | None = None) -> dict[str, tuple[dict, tuple | None]]:
+  """{id: (fresh result, columns to compare)} of the deterministic results at `level` ("fast" or "full"), of
+  `sections` only when given."""
   import importlib  # noqa: PLC0415
 
+  known = {entry[0] for entry in DETERMINISTIC}
+  if sections is not None:
+    sections = set(sections)
+    if not sections or sections - known:
+      raise ValueError(f"{sorted(sections)=} must name sections with deterministic figures: {sorted(known)}")
   out = {}
   for section, name, cost, cols in DETERMINISTIC:
-    if level == "fast" and cost != "fast":
+    if (level == "fast" and cost != "fast") or (sections is not None and section not in sections):
       continue
     got = getattr(importlib.import_module(f"jaxaccum.bench.{section}"), name)(quick=False)
     for r in got if isinstance(got, list) else [got]:
@@ -448,9 +454,10 @@ def _compare(region: re.Match, fresh: dict, cols: tuple | None, where: str) -> l
 _NO_HEADER = {"date": "", "backend": "", "machine": "", "jax": ""}
 
 
-def verify(level: str = "fast", root: pathlib.Path = ROOT) -> list[str]:
-  """Every page region showing a deterministic result, compared with the bench at HEAD; [differences]."""
-  fresh = recompute(level)
+def verify(level: str = "fast", root: pathlib.Path = ROOT, sections: Iterable[str] | None = None) -> list[str]:
+  """Every page region showing a deterministic result (of `sections` when given), compared with the bench at
+  HEAD; [differences]."""
+  fresh = recompute(level, sections)
   out = []
   for path in pages(root):
     text = path.read_text()
@@ -483,11 +490,22 @@ def main(argv=None) -> int:
     help="recompute the deterministic results (fast: the small tables; full: all) and exit 1 if a page differs",
   )
   parser.add_argument(
+    "--sections",
+    help="with --verify or --refresh: only these comma-separated sections (the slow test checks one at a time)",
+  )
+  parser.add_argument(
     "--refresh",
     choices=("fast", "full"),
     help="recompute the deterministic results, merge them into the store and rewrite the pages (no timing run)",
   )
   args = parser.parse_args(argv)
+  only = None if args.sections is None else [s for s in args.sections.split(",") if s]
+  if only is not None:
+    if not (args.verify or args.refresh):
+      parser.error("--sections goes with --verify or --refresh")
+    unknown = sorted(set(only) - {entry[0] for entry in DETERMINISTIC})
+    if unknown or not only:
+      parser.error(f"--sections {args.sections!r}: choose from {sorted({entry[0] for entry in DETERMINISTIC})}")
   if args.verify or args.refresh:
     from jaxaccum.bench import _setup_devices, run_header  # noqa: PLC0415
 
@@ -496,11 +514,11 @@ def main(argv=None) -> int:
     header = run_header(quick=False)
     from jaxaccum.bench import code_hash  # noqa: PLC0415
 
-    recomputed = recompute(args.refresh)
+    recomputed = recompute(args.refresh, only)
     fresh = {rid: {**r, "header": header, "code": code_hash(r["section"])} for rid, (r, _) in recomputed.items()}
     save(merge(load(args.store) if pathlib.Path(args.store).exists() else {}, fresh), args.store)
   if args.verify:
-    differences = verify(args.verify)
+    differences = verify(args.verify, sections=only)
     for line in differences:
       print(line)
     print(f"{len(differences)} deterministic figure(s) differ from the bench at HEAD ({args.verify})")
