@@ -110,11 +110,13 @@ def remat_dense(annotate):
 
 
 def pytest_collection_modifyitems(config, items):
-  """`JAXACCUM_SLOW_SAMPLE="i/n"`: of each test function's slow grid cells keep every n-th, from cell i.
+  """`JAXACCUM_SLOW_SAMPLE="i/n"`: of each test file's slow tests (grid cells and single tests alike) keep every
+  n-th, from the i-th.
 
-  `.ci/run` runs the slow set sampled so that CI stays within its time (issue 49): every test function still
-  runs (a function with one slow cell keeps it; a grid keeps at least one cell), and the offset i moves with
-  the date, so consecutive CI runs cover every cell. `python -m pytest -m slow` (no variable) runs them all.
+  `.ci/run` runs the slow set sampled so that CI stays within its time (issue 49): every test file with slow
+  tests still runs at least one of them (every kind of check: the examples, the notebooks, the multi-process
+  jobs, the zoo, the fuzzers, the quick bench, the figures), and the offset i moves with the date, so n
+  consecutive daily runs cover every slow test. `python -m pytest -m slow` (no variable) runs them all.
   """
   spec = os.environ.get("JAXACCUM_SLOW_SAMPLE", "")
   if not spec:
@@ -127,13 +129,12 @@ def pytest_collection_modifyitems(config, items):
     raise pytest.UsageError(f"JAXACCUM_SLOW_SAMPLE={spec!r} must be 'i/n' with 0 <= i < n") from None
   groups: dict = {}
   for item in items:
-    if item.get_closest_marker("slow") is not None and hasattr(item, "callspec"):
-      groups.setdefault((item.path, item.originalname), []).append(item)
+    if item.get_closest_marker("slow") is not None:
+      groups.setdefault(item.path, []).append(item)
   dropped = set()
-  for cells in groups.values():
-    if len(cells) > 1:
-      keep = offset % len(cells)
-      dropped.update(id(c) for j, c in enumerate(cells) if (j - keep) % every != 0)
+  for tests in groups.values():
+    keep = offset % len(tests)  # at least one per file
+    dropped.update(id(t) for j, t in enumerate(tests) if (j - keep) % every != 0)
   if dropped:
     config.hook.pytest_deselected(items=[i for i in items if id(i) in dropped])
     items[:] = [i for i in items if id(i) not in dropped]

@@ -174,6 +174,21 @@ def test_fit_models_llama_3_8b_from_shapes():
   assert all(c.plain in plains for c in fit.CASES) and len(plains) == 3
 
 
+def test_fit_compiles_again_without_ynn_fusion_and_reads_each_step_against_its_plain_one():
+  from jaxaccum.bench import fit
+
+  tiny = fit.QUICK._replace(layers=1, width=64, ffw=128, head_dim=16, vocab=256, seq=16, batch=16)
+  cases = (fit.CASES[3], fit.CASES[4])  # the plain fsdp layout, fsdp per_microbatch
+  got = {
+    "rows": [{"case": fit.PLAIN_FSDP, "K": 1, "peak_bytes": 4000}, {"case": cases[1].name, "K": 1, "peak_bytes": 3000}]
+  }
+  result = fit.without_ynn_fusion(tiny, got, (1,), cases=cases)  # the table's peaks as given, compiled again
+  (row,) = result["data"]["rows"]
+  assert row["case"] == "fsdp per_microbatch" and row["plain"] == fit.PLAIN_FSDP
+  assert row["peak_bytes"] == 3000 and row["ratio"] == 0.75 and row["no_ynn_peak_bytes"] > 0
+  assert 0 < row["no_ynn_ratio"] < 10 and "| fsdp per_microbatch | 1 | 0.0 | 0.75 |" in result["markdown"]
+
+
 def test_compile_time_models_are_one_function_listed_or_scanned():
   """The compile-time table's transformer: listed and scanned layers give the same loss (abstract shapes only)."""
   import jax
