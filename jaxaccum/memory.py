@@ -94,7 +94,15 @@ def memory_breakdown(lowered) -> MemoryBreakdown:
     ValueError: `lowered` is not a lowered computation, or its compiler wrote no live-range report.
   """
   if not hasattr(lowered, "compile"):
-    raise ValueError(f"lowered must be a jax.stages.Lowered (jax.jit(f).lower(...)), got {type(lowered).__name__}")
+    hint = (
+      "; call its .lower(...) with the arguments it is called with first (e.g. step.lower(params, opt_state, "
+      "batch); from shapes alone: ja.shard_train_state on jax.ShapeDtypeStruct params)"
+      if hasattr(lowered, "lower")
+      else ""
+    )
+    raise ValueError(
+      f"lowered must be a jax.stages.Lowered (jax.jit(f).lower(...)), got {type(lowered).__name__}{hint}"
+    )
   where = tempfile.mkdtemp(prefix="jaxaccum-memory-")
   try:
     compiled = lowered.compile(compiler_options={"xla_dump_to": where})

@@ -155,5 +155,8 @@ def test_memory_breakdown_sees_a_gathered_array():
 
 
 def test_memory_breakdown_refuses_what_is_not_lowered():
-  with pytest.raises(ValueError, match=r"lowered must be a jax.stages.Lowered.*function"):
+  with pytest.raises(ValueError, match=r"lowered must be a jax.stages.Lowered.*function$"):
     ja.memory_breakdown(lambda x: x)
+  step = ja.make_train_step(lambda p, b: jnp.sum(p * b), optax.sgd(0.1))
+  with pytest.raises(ValueError, match=r"got TrainStep; call its .lower\(...\) .* step.lower\(params, opt_state"):
+    ja.memory_breakdown(step)  # the step itself, not its lowering (a user's first try)
