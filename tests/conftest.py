@@ -1,6 +1,8 @@
 """Shared test setup: 8 simulated CPU devices and float64, before any device use."""
 
 import os
+import subprocess
+import sys
 
 # XLA:CPU aborts the process when the 8 device threads of a collective do not all
 # arrive within 40 s; on an overloaded 2-core machine that can happen to a correct
@@ -29,6 +31,13 @@ def xla_default_level_env() -> dict:
   """
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_backend_optimization_level")]
   return dict(os.environ, XLA_FLAGS=" ".join(flags))
+
+
+def run_module(module: str, *args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+  """`python -m module args...` in this interpreter, its output captured as text (the CLIs' tests)."""
+  return subprocess.run(
+    [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout, **kwargs
+  )
 
 
 import jax  # noqa: E402

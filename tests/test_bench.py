@@ -3,11 +3,9 @@
 import json
 import math
 import pathlib
-import subprocess
-import sys
 
 import pytest
-from conftest import numbers_in
+from conftest import numbers_in, run_module
 
 # The sections, read off the package independently of `bench.SECTIONS`: every module of jaxaccum/bench/ but the
 # shared ones (a new section module must be registered, and a registered one must exist).
@@ -22,13 +20,7 @@ SECTIONS = (
 @pytest.mark.parametrize("section", sorted(SECTIONS))
 def test_bench_quick_report(section, tmp_path):
   out = tmp_path / "bench.json"
-  proc = subprocess.run(
-    [sys.executable, "-m", "jaxaccum.bench", "--quick", "--sections", section, "--json", str(out)],
-    capture_output=True,
-    text=True,
-    timeout=900,
-    cwd=tmp_path,
-  )
+  proc = run_module("jaxaccum.bench", "--quick", "--sections", section, "--json", str(out), timeout=900, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   report = json.loads(out.read_text())
   assert report["header"]["quick"] is True
@@ -86,11 +78,9 @@ def test_bench_is_a_subpackage_with_one_module_per_section():
   assert set(bench.SECTIONS) == SECTIONS and len(bench.SECTIONS) == len(SECTIONS)
   for name in bench.SECTIONS:
     assert callable(importlib.import_module(f"jaxaccum.bench.{name}").run), name
-  proc = subprocess.run([sys.executable, "-m", "jaxaccum.bench", "--help"], capture_output=True, text=True, timeout=120)
+  proc = run_module("jaxaccum.bench", "--help")
   assert proc.returncode == 0 and "--quick" in proc.stdout and "--sections" in proc.stdout, proc.stderr
-  proc = subprocess.run(
-    [sys.executable, "-m", "jaxaccum.bench", "--sections", "nope"], capture_output=True, text=True, timeout=120
-  )
+  proc = run_module("jaxaccum.bench", "--sections", "nope")
   assert proc.returncode == 2 and "unknown sections ['nope']" in proc.stderr, proc.stderr
 
 

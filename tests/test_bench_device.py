@@ -10,11 +10,9 @@ import math
 import pathlib
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
-from conftest import numbers_in
+from conftest import numbers_in, run_module
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 IDS = {
@@ -41,13 +39,7 @@ VERDICT = re.compile(r"met|not met|within noise, median (over|under)")
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("device")
-  proc = subprocess.run(
-    [sys.executable, "-m", "jaxaccum.bench.device", "--quick", "--json", "d.json", "--markdown", "d.md"],
-    capture_output=True,
-    text=True,
-    timeout=600,
-    cwd=out,
-  )
+  proc = run_module("jaxaccum.bench.device", "--quick", "--json", "d.json", "--markdown", "d.md", timeout=600, cwd=out)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc, json.loads((out / "d.json").read_text()), (out / "d.md").read_text()
 

@@ -1,35 +1,14 @@
 """python -m jaxaccum.demo with small flags: it runs, writes the PNG, and the four ways agree."""
 
 import re
-import subprocess
-import sys
+
+from conftest import run_module
 
 
 def test_demo_small(tmp_path):
   png = tmp_path / "loss.png"
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "jaxaccum.demo",
-      "--steps",
-      "4",
-      "--batch-size",
-      "64",
-      "--k",
-      "2",
-      "--devices",
-      "4",
-      "--x64",
-      "--no-progress",
-      "--out",
-      str(png),
-    ],
-    capture_output=True,
-    text=True,
-    timeout=600,
-    cwd=tmp_path,
-  )
+  flags = ["--steps", "4", "--batch-size", "64", "--k", "2", "--devices", "4", "--x64", "--no-progress"]
+  proc = run_module("jaxaccum.demo", *flags, "--out", str(png), timeout=600, cwd=tmp_path)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert str(png) in proc.stdout
@@ -47,12 +26,7 @@ def test_demo_small(tmp_path):
 
 
 def test_demo_help_and_bad_flags():
-  proc = subprocess.run([sys.executable, "-m", "jaxaccum.demo", "--help"], capture_output=True, text=True, timeout=120)
+  proc = run_module("jaxaccum.demo", "--help")
   assert proc.returncode == 0 and "--steps" in proc.stdout and "--k" in proc.stdout
-  proc = subprocess.run(
-    [sys.executable, "-m", "jaxaccum.demo", "--batch-size", "10", "--k", "3"],
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  proc = run_module("jaxaccum.demo", "--batch-size", "10", "--k", "3")
   assert proc.returncode == 2 and "--batch-size=10 must be divisible by --k=3" in proc.stderr

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import xla_default_level_env
+from conftest import run_module, xla_default_level_env
 
 from jaxaccum.bench import figures
 
@@ -217,13 +217,8 @@ def test_check_command_fails_on_a_page_with_a_typed_figure(tmp_path):
 
 def _verify(level, *sections):
   only = ["--sections", ",".join(sections)] if sections else []
-  proc = subprocess.run(
-    [sys.executable, "-m", "jaxaccum.bench.figures", "--verify", level, *only],
-    capture_output=True,
-    text=True,
-    timeout=3600,
-    env=xla_default_level_env(),  # the figures were computed at XLA's default LLVM level (trained losses among them)
-  )
+  # The figures were computed at XLA's default LLVM level (trained losses among them).
+  proc = run_module("jaxaccum.bench.figures", "--verify", level, *only, timeout=3600, env=xla_default_level_env())
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
@@ -246,10 +241,5 @@ def test_every_deterministic_figure_equals_the_bench_at_head(section):
 def test_verify_sections_are_checked_by_name():
   with pytest.raises(ValueError, match="sections"):
     figures.recompute("full", ["nope"])
-  proc = subprocess.run(
-    [sys.executable, "-m", "jaxaccum.bench.figures", "--verify", "full", "--sections", "nope"],
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  proc = run_module("jaxaccum.bench.figures", "--verify", "full", "--sections", "nope")
   assert proc.returncode == 2 and "--sections 'nope'" in proc.stderr
